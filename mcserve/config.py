@@ -1,0 +1,129 @@
+"""Frozen, validated configuration dataclasses passed everywhere (one obvious place for settings)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MEMORIES = ("linear", "swla", "dla", "titans")
+VARIANTS = ("none", "residual", "grm", "soup", "ssc", "loglinear", "post")
+MODES = ("checkpoint", "independent")
+
+
+def validate_mc(
+    variant: str, mode: str, segment_len: int, top_k: int, *, memory: str = "linear",
+    inner_chunk: int = 1,
+) -> None:
+    """Raise ValueError naming the bad argument for an invalid MC setting."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory={memory!r} is not one of {MEMORIES}")
+    if variant not in VARIANTS:
+        raise ValueError(f"mc_variant={variant!r} is not one of {VARIANTS}")
+    if mode not in MODES:
+        raise ValueError(f"mc_mode={mode!r} is not one of {MODES}")
+    if variant == "loglinear" and mode != "checkpoint":
+        raise ValueError("mc_mode must be 'checkpoint' for mc_variant='loglinear'")
+    if not isinstance(segment_len, int) or segment_len < 1:
+        raise ValueError(f"segment_len must be a positive integer, got {segment_len!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"mc_top_k must be a positive integer, got {top_k!r}")
+    if not isinstance(inner_chunk, int) or inner_chunk < 1:
+        raise ValueError(f"inner_chunk must be a positive integer, got {inner_chunk!r}")
+    if memory in ("dla", "titans") and segment_len % inner_chunk != 0:
+        raise ValueError(
+            f"segment_len ({segment_len}) must be a multiple of inner_chunk ({inner_chunk})"
+        )
+
+
+@dataclass(frozen=True)
+class MCConfig:
+    """How one layer caches and aggregates its memory (DESIGN.md §1.2-1.3)."""
+
+    variant: str = "grm"
+    mode: str = "checkpoint"
+    segment_len: int = 64
+    top_k: int = 2  # ssc: cached segments each token reads besides the online one
+    share_uq: bool = False  # u_t = q_t instead of a learned x·W_u (the post-hoc parameterisation)
+
+    def __post_init__(self) -> None:
+        validate_mc(self.variant, self.mode, self.segment_len, self.top_k)
+
+    @property
+    def segmented(self) -> bool:
+        return self.variant != "none"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the native ``MCForCausalLM`` (model_type ``mcserve``).
+
+    The MC fields are flat (``mc_variant``...) so that ``config.json`` reads like a transformers
+    config; ``.mc`` gives them as an ``MCConfig``.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    head_dim: int = 32  # K = V = head_dim
+    memory: str = "linear"
+    mc_variant: str = "grm"
+    mc_mode: str = "checkpoint"
+    segment_len: int = 64
+    mc_top_k: int = 2
+    share_uq: bool = False
+    inner_chunk: int = 16  # deep memories: tokens per mini-batch gradient step
+    memory_expansion: int = 4  # deep memories: E = memory_expansion * K
+    conv_size: int = 4  # short causal depthwise conv on q, k, v; 0 disables it
+    use_decay_gate: bool = True  # per-head, data-dependent a_t (linear/swla/titans)
+    use_write_gate: bool = True  # per-head, data-dependent b_t (and c_t for swla)
+    mlp_ratio: float = 8 / 3  # SwiGLU hidden = round_up(mlp_ratio * d_model, 16)
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 1024  # the training length; informs post-hoc defaults only
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    model_type: str = field(default="mcserve", repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if self.model_type != "mcserve":
+            raise ValueError(f"model_type must be 'mcserve', got {self.model_type!r}")
+        validate_mc(
+            self.mc_variant, self.mc_mode, self.segment_len, self.mc_top_k,
+            memory=self.memory, inner_chunk=self.inner_chunk,
+        )
+        if self.conv_size < 0:
+            raise ValueError(f"conv_size must be >= 0, got {self.conv_size}")
+        if self.memory_expansion < 1:
+            raise ValueError(f"memory_expansion must be >= 1, got {self.memory_expansion}")
+
+    @property
+    def mc(self) -> MCConfig:
+        return MCConfig(
+            variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
+            top_k=self.mc_top_k, share_uq=self.share_uq,
+        )
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(-(-self.mlp_ratio * self.d_model // 16) * 16)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict; unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,231 @@
+"""Memory Caching over any memory family: segmentation, cached checkpoints, gates, aggregation.
+
+This is the fast (vectorised torch) path of DESIGN.md §1.2-1.3; ``mcserve.kernels.reference`` is
+its oracle. ``MCMemory.forward`` consumes a span of tokens for a batch of sequences that sit at
+the same position and returns ``(y, state)``; any split of the tokens gives the same result, so
+prefill is one call and decode is one call per token.
+
+The span is cut into *pieces* inside which the set of cached memories does not change (the rest
+of a constant segment; a single token for ``loglinear``, whose segmentation changes every token).
+Per piece: one family scan for the online readouts, one contraction for the cached readouts
+(or a gather of the selected blocks for ``ssc`` when that is cheaper), one softmax for the gates.
+No per-token Python loop except for ``loglinear``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from mcserve.config import MCConfig
+from mcserve.models.memory.base import MemoryFamily, State
+
+
+def log_boundaries(n: int) -> list[int]:
+    """Cached checkpoint positions for the token at position n under logarithmic segmentation.
+
+    Prefix sums of n's binary expansion, largest power first, without n itself
+    (n = 37 = 100101₂ → [32, 36]).
+    """
+    out, acc = [], 0
+    for j in range(n.bit_length() - 1, -1, -1):
+        if n >> j & 1:
+            acc += 1 << j
+            out.append(acc)
+    return out[:-1]
+
+
+@dataclass
+class MCLayerState:
+    """Everything one layer needs to continue a batch of sequences (all at position ``pos``)."""
+
+    mem: State  # online memory, family-specific, tensors lead with B
+    seg_ksum: Tensor  # (B, H, K) key sum of the online segment so far
+    seg_len: int  # tokens in the online segment; == segment_len means complete, not yet pushed
+    cached: State  # readout tensors of cached memories stacked on dim 1: (B, N, ...)
+    cached_ksum: Tensor  # (B, N, H, K) key sum of each cached segment
+    cached_len: list[int] = field(default_factory=list)  # tokens of each cached segment
+    cached_pos: list[int] = field(default_factory=list)  # position each cached segment ends at
+    n_segments: int = 0  # cached segments so far (== N unless collapsed into one summed block)
+    pos: int = 0  # tokens consumed
+    v_dim: int = 0  # value dim, to rebuild the initial memory in independent mode
+
+    @property
+    def num_cached(self) -> int:
+        return self.cached_ksum.shape[1]
+
+    def map_tensors(self, fn) -> MCLayerState:
+        """Apply ``fn`` to every tensor (e.g. select batch rows, move device)."""
+        return replace(
+            self, mem={k: fn(t) for k, t in self.mem.items()}, seg_ksum=fn(self.seg_ksum),
+            cached={k: fn(t) for k, t in self.cached.items()}, cached_ksum=fn(self.cached_ksum),
+            cached_len=list(self.cached_len), cached_pos=list(self.cached_pos),
+        )
+
+
+class MCMemory:
+    """One memory family wrapped with one MC configuration."""
+
+    def __init__(self, family: MemoryFamily, cfg: MCConfig):
+        self.family = family
+        self.cfg = cfg
+        # residual/post on a linear memory keep one summed state: decode cost flat in N.
+        self.collapsed = family.linear and cfg.variant in ("residual", "post")
+        # soup equals grm on linear memories (the readout is linear in the parameters).
+        self.soup = cfg.variant == "soup" and not family.linear
+
+    def init_state(self, batch: int, heads: int, k_dim: int, v_dim: int, *, dtype: torch.dtype,
+                   device: torch.device | str, init: dict[str, Tensor] | None = None
+                   ) -> MCLayerState:
+        mem = self.family.init_state(batch, heads, k_dim, v_dim, dtype=dtype, device=device,
+                                     init=init)
+        return MCLayerState(
+            mem=mem,
+            seg_ksum=torch.zeros(batch, heads, k_dim, dtype=dtype, device=device),
+            seg_len=0,
+            cached={key: mem[key].new_zeros((batch, 0) + mem[key].shape[1:])
+                    for key in self.family.readout_keys},
+            cached_ksum=torch.zeros(batch, 0, heads, k_dim, dtype=dtype, device=device),
+            v_dim=v_dim,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, state: MCLayerState, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
+                gates: dict[str, Tensor], init: dict[str, Tensor] | None = None
+                ) -> tuple[Tensor, MCLayerState]:
+        """q, k, u ``(B, T, H, K)``, v ``(B, T, H, V)``, gates ``(B, T, H)`` → y ``(B, T, H, V)``.
+
+        ``init`` is the learned initial memory (deep families), needed to restart segments in
+        independent mode. ``state`` is not modified.
+        """
+        T = q.shape[1]
+        st = replace(state, cached_len=list(state.cached_len), cached_pos=list(state.cached_pos))
+        if self.cfg.variant == "none":
+            y, st.mem = self.family.scan(st.mem, q, k, v, gates)
+            st.pos += T
+            return y, st
+        ys, t0 = [], 0
+        while t0 < T:
+            if self.cfg.variant == "loglinear":
+                self._log_advance(st)
+                n = 1
+            else:
+                if st.seg_len == self.cfg.segment_len:
+                    self._push(st, init)
+                n = min(T - t0, self.cfg.segment_len - st.seg_len)
+            sl = slice(t0, t0 + n)
+            ys.append(self._piece(st, q[:, sl], k[:, sl], v[:, sl], u[:, sl],
+                                  {g: x[:, sl] for g, x in gates.items()}))
+            t0 += n
+        y = torch.cat(ys, dim=1) if ys else v.new_zeros(v.shape)
+        return y, st
+
+    # ------------------------------------------------------------------ segments
+    def _push(self, st: MCLayerState, init: dict[str, Tensor] | None) -> None:
+        """The online segment is complete: cache its memory, start a new segment."""
+        block = {key: st.mem[key][:, None] for key in self.family.readout_keys}
+        if self.collapsed and st.num_cached:
+            st.cached = {key: st.cached[key] + block[key] for key in block}
+        else:
+            st.cached = {key: torch.cat([st.cached[key], block[key]], 1) for key in block}
+            st.cached_ksum = torch.cat([st.cached_ksum, st.seg_ksum[:, None]], 1)
+            st.cached_len.append(st.seg_len)
+            st.cached_pos.append(st.pos)
+        st.n_segments += 1
+        st.seg_ksum = torch.zeros_like(st.seg_ksum)
+        st.seg_len = 0
+        if self.cfg.mode == "independent":
+            B, H, K = st.seg_ksum.shape
+            st.mem = self.family.init_state(B, H, K, st.v_dim, dtype=st.seg_ksum.dtype,
+                                            device=st.seg_ksum.device, init=init)
+
+    def _log_advance(self, st: MCLayerState) -> None:
+        """Re-segment for the next token (position pos + 1) under logarithmic segmentation.
+
+        The boundaries of n + 1 are a subset of those of n plus n itself, so the cached blocks
+        form a stack: push the state at n, pop the tail that is no longer a boundary and merge
+        those segments' key sums into the new online segment.
+        """
+        n = st.pos
+        if n == 0:
+            return
+        keep = set(log_boundaries(n + 1))
+        if n in keep:  # n even: the state at n becomes a checkpoint, nothing merges
+            st.cached = {key: torch.cat([st.cached[key], st.mem[key][:, None]], 1)
+                         for key in self.family.readout_keys}
+            st.cached_ksum = torch.cat([st.cached_ksum, st.seg_ksum[:, None]], 1)
+            st.cached_len.append(st.seg_len)
+            st.cached_pos.append(n)
+            st.seg_ksum = torch.zeros_like(st.seg_ksum)
+            st.seg_len = 0
+            return
+        n_keep = sum(1 for p in st.cached_pos if p in keep)  # kept ones are a prefix of the stack
+        st.seg_ksum = st.seg_ksum + st.cached_ksum[:, n_keep:].sum(1)
+        st.seg_len += sum(st.cached_len[n_keep:])
+        st.cached = {key: t[:, :n_keep] for key, t in st.cached.items()}
+        st.cached_ksum = st.cached_ksum[:, :n_keep]
+        del st.cached_len[n_keep:], st.cached_pos[n_keep:]
+
+    # ------------------------------------------------------------------ one piece
+    def _piece(self, st: MCLayerState, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
+               gates: dict[str, Tensor]) -> Tensor:
+        """Tokens that all see the same cached set; updates ``st`` and returns y (B, L, H, V)."""
+        B, L, H, K = q.shape
+        N = st.num_cached
+        cum = st.seg_ksum[:, None] + k.cumsum(1)  # (B, L, H, K) online key sums incl. token t
+        variant = self.cfg.variant
+        cached = st.cached
+        if variant in ("residual", "post"):
+            scale = 1.0 if variant == "residual" else 1.0 / (st.n_segments + 1)
+            w_on = q.new_full((B, L, H), scale)
+            w_c = q.new_full((B, L, N, H), scale)
+        else:
+            counts = torch.arange(st.seg_len + 1, st.seg_len + L + 1, device=q.device)
+            p_on = cum / counts.to(q.dtype)[None, :, None, None]
+            r_on = (u * p_on).sum(-1) / math.sqrt(K)  # (B, L, H)
+            if N:
+                lens = torch.tensor(st.cached_len, dtype=q.dtype, device=q.device)
+                p_c = st.cached_ksum / lens[None, :, None, None]  # (B, N, H, K)
+                r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
+            else:
+                r_c = q.new_zeros(B, L, 0, H)
+            if variant == "ssc" and N > self.cfg.top_k:
+                idx = self._select(r_c)  # (B, L, top_k, H)
+                gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
+                w_on = gamma[:, :, -1]
+                if L == 1:  # decode: read only the selected blocks
+                    cached = self._gather_blocks(cached, idx[:, 0])
+                    w_c = gamma[:, :, :-1]
+                else:  # prefill: every block is read anyway; scatter the weights back
+                    w_c = q.new_zeros(B, L, N, H).scatter(2, idx, gamma[:, :, :-1])
+            else:
+                gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), dim=2)
+                w_on, w_c = gamma[:, :, -1], gamma[:, :, :-1]
+        if self.soup:
+            y, st.mem = self.family.scan_soup(st.mem, q, k, v, gates, w_on, cached, w_c)
+        else:
+            o, st.mem = self.family.scan(st.mem, q, k, v, gates)
+            y = o * w_on[..., None]
+            if w_c.shape[2]:
+                y = y + self.family.readout_mix(cached, q, w_c)
+        st.seg_ksum = cum[:, -1]
+        st.seg_len += L
+        st.pos += L
+        return y
+
+    def _select(self, r_c: Tensor) -> Tensor:
+        """Indices of the top_k cached scores along dim 2, ties going to the more recent block."""
+        N = r_c.shape[2]
+        order = torch.sort(r_c.flip(2), dim=2, descending=True, stable=True).indices
+        return N - 1 - order[:, :, : self.cfg.top_k]
+
+    @staticmethod
+    def _gather_blocks(cached: State, idx: Tensor) -> State:
+        """Blocks chosen per (sequence, head): idx ``(B, k, H)`` → tensors ``(B, k, H, ...)``."""
+        B, kk, H = idx.shape
+        b = torch.arange(B, device=idx.device)[:, None, None]
+        h = torch.arange(H, device=idx.device)[None, None, :]
+        return {key: t[b, idx, h] for key, t in cached.items()}

@@ -1,0 +1,78 @@
+"""Matrix-valued memories: ``linear`` (gated LA, Mamba2/RetNet-style) and ``swla`` (c = 2).
+
+Decay gates are passed as ``log_a`` (log of a ∈ (0, 1], so ≤ 0): Mamba2's a = exp(Δ·A) then needs
+no log of an exponential, and long products of a stay exact as sums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mcserve.kernels.gla import chunk_gla
+from mcserve.models.memory.base import State
+
+
+def _readout_mix_linear(S: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    # Σ_n w_n S_nᵀ q as one contraction over (n, k): each cached state is read exactly once.
+    wq = w[..., None] * q[:, :, None]  # (B, T, N, H, K)
+    return torch.einsum("btnhk,bnhkv->bthv", wq, S)
+
+
+class LinearMemory:
+    """S_t = a_t·S_{t-1} + b_t·k_t v_tᵀ; readout Sᵀq."""
+
+    name = "linear"
+    gate_names = ("log_a", "b")
+    readout_keys = ("S",)
+    linear = True
+
+    def init_state(self, batch: int, heads: int, k_dim: int, v_dim: int, *,
+                   dtype: torch.dtype, device: torch.device | str,
+                   init: dict[str, Tensor] | None = None) -> State:
+        return {"S": torch.zeros(batch, heads, k_dim, v_dim, dtype=dtype, device=device)}
+
+    def scan(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
+             ) -> tuple[Tensor, State]:
+        o, S = chunk_gla(q, k, v, gates.get("log_a"), gates.get("b"), state["S"])
+        return o, {"S": S}
+
+    def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
+        return _readout_mix_linear(mem["S"], q, w)
+
+
+class SWLAMemory:
+    """Sliding-window LA with c = 2: S_t = a_t·S_{t-1} + b_t·k_{t-1}v_{t-1}ᵀ + c_t·k_t v_tᵀ.
+
+    Linear in the writes, so it is two gated-LA streams with the same decay: the current token
+    (write c, from the carried S) and the previous token (write b, from zero), summed.
+    """
+
+    name = "swla"
+    gate_names = ("log_a", "b", "c")
+    readout_keys = ("S",)
+    linear = True
+
+    def init_state(self, batch: int, heads: int, k_dim: int, v_dim: int, *,
+                   dtype: torch.dtype, device: torch.device | str,
+                   init: dict[str, Tensor] | None = None) -> State:
+        z = dict(dtype=dtype, device=device)
+        return {
+            "S": torch.zeros(batch, heads, k_dim, v_dim, **z),
+            "k_prev": torch.zeros(batch, heads, k_dim, **z),  # zero: no token before the start
+            "v_prev": torch.zeros(batch, heads, v_dim, **z),
+        }
+
+    def scan(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
+             ) -> tuple[Tensor, State]:
+        if q.shape[1] == 0:
+            return v.new_zeros(v.shape), dict(state)
+        log_a = gates.get("log_a")
+        k_prev = torch.cat([state["k_prev"][:, None], k[:, :-1]], dim=1)  # (B, T, H, K)
+        v_prev = torch.cat([state["v_prev"][:, None], v[:, :-1]], dim=1)
+        o1, S1 = chunk_gla(q, k, v, log_a, gates.get("c"), state["S"])
+        o2, S2 = chunk_gla(q, k_prev, v_prev, log_a, gates.get("b"), torch.zeros_like(state["S"]))
+        return o1 + o2, {"S": S1 + S2, "k_prev": k[:, -1], "v_prev": v[:, -1]}
+
+    def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
+        return _readout_mix_linear(mem["S"], q, w)

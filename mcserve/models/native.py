@@ -1,0 +1,280 @@
+"""The native MC language model ``MCForCausalLM`` (model_type ``mcserve``).
+
+embedding → N × [RMSNorm → MC mixer → RMSNorm → SwiGLU MLP] → RMSNorm → LM head (optionally tied).
+
+Contract (DESIGN.md §2): ``forward(input_ids, state) -> (logits, state)`` for a batch of
+sequences at the same position, associative over any split of the tokens, so one call is a
+prefill and one call per token is decode. The state is a ``ModelState``; it is never modified in
+place, which makes prefix reuse and preemption a matter of keeping a reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mcserve.config import ModelConfig
+from mcserve.models.mc import MCLayerState, MCMemory
+from mcserve.models.memory.linear import LinearMemory, SWLAMemory
+
+
+def make_family(cfg: ModelConfig):
+    if cfg.memory == "linear":
+        return LinearMemory()
+    if cfg.memory == "swla":
+        return SWLAMemory()
+    from mcserve.models.memory.deep import DLAMemory, TitansMemory
+
+    return DLAMemory(cfg.inner_chunk) if cfg.memory == "dla" else TitansMemory(cfg.inner_chunk)
+
+
+@dataclass
+class LayerState:
+    mc: MCLayerState
+    conv: Tensor | None  # (B, conv_size - 1, C) last pre-conv inputs; None without a conv
+
+
+@dataclass
+class ModelState:
+    layers: list[LayerState]
+
+    @property
+    def pos(self) -> int:
+        return self.layers[0].mc.pos
+
+    def map_tensors(self, fn) -> ModelState:
+        return ModelState([
+            LayerState(ls.mc.map_tensors(fn), None if ls.conv is None else fn(ls.conv))
+            for ls in self.layers
+        ])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MCMixer(nn.Module):
+    """Token mixer: q, k, v, u projections, short conv, per-head gates, MC memory, output gate."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        H, K = cfg.n_heads, cfg.head_dim
+        self.H, self.K = H, K
+        self.family = make_family(cfg)
+        self.memory = MCMemory(self.family, cfg.mc)
+        self.use_u = cfg.mc_variant in ("grm", "soup", "ssc", "loglinear") and not cfg.share_uq
+        self.qkv = nn.Linear(cfg.d_model, 3 * H * K, bias=False)
+        self.u_proj = nn.Linear(cfg.d_model, H * K, bias=False) if self.use_u else None
+        self.gate_names = self._gate_names()
+        self.gate_proj = (nn.Linear(cfg.d_model, len(self.gate_names) * H)
+                          if self.gate_names else None)
+        if cfg.conv_size > 0:
+            self.conv = nn.Conv1d(3 * H * K, 3 * H * K, cfg.conv_size, groups=3 * H * K,
+                                  bias=False)
+        else:
+            self.conv = None
+        self.out_norm = RMSNorm(K, cfg.norm_eps)
+        self.g_proj = nn.Linear(cfg.d_model, H * K, bias=False)
+        self.o_proj = nn.Linear(H * K, cfg.d_model, bias=False)
+        if cfg.memory in ("dla", "titans"):
+            E = cfg.memory_expansion * K
+            self.w1_init = nn.Parameter(torch.randn(H, K, E) / math.sqrt(E))
+            self.w2_init = nn.Parameter(torch.randn(H, E, K) / math.sqrt(K))
+
+    def _gate_names(self) -> tuple[str, ...]:
+        cfg = self.cfg
+        if cfg.memory in ("linear", "swla"):
+            names = ("log_a",) if cfg.use_decay_gate else ()
+            if cfg.use_write_gate:
+                names += ("b", "c") if cfg.memory == "swla" else ("b",)
+            return names
+        if cfg.memory == "dla":
+            return ("eta",)
+        return ("eta", "a", "m") if cfg.use_decay_gate else ("eta", "m")
+
+    def reset_gate_bias(self) -> None:
+        """Start decays near 1 (long memory), writes and learning rates moderate."""
+        if self.gate_proj is None:
+            return
+        nn.init.zeros_(self.gate_proj.bias)
+        bias = self.gate_proj.bias.data.view(len(self.gate_names), self.H)
+        for i, name in enumerate(self.gate_names):
+            if name in ("log_a", "a"):
+                # spread decay rates over heads, as multi-scale retention does
+                bias[i] = torch.linspace(3.0, 6.0, self.H)
+            elif name == "eta":
+                bias[i] = -2.0
+
+    def init_memory(self) -> dict[str, Tensor] | None:
+        if self.cfg.memory in ("dla", "titans"):
+            return {"w1": self.w1_init, "w2": self.w2_init}
+        return None
+
+    def init_state(self, batch: int, dtype: torch.dtype, device) -> LayerState:
+        mc = self.memory.init_state(batch, self.H, self.K, self.K, dtype=dtype, device=device,
+                                    init=self.init_memory())
+        conv = (torch.zeros(batch, self.cfg.conv_size - 1, 3 * self.H * self.K, dtype=dtype,
+                            device=device) if self.conv is not None else None)
+        return LayerState(mc, conv)
+
+    def gates(self, x: Tensor) -> dict[str, Tensor]:
+        if self.gate_proj is None:
+            return {}
+        B, T, _ = x.shape
+        raw = self.gate_proj(x).view(B, T, len(self.gate_names), self.H)
+        out = {}
+        for i, name in enumerate(self.gate_names):
+            g = raw[:, :, i]
+            if name == "log_a":
+                out[name] = F.logsigmoid(g) / 8.0  # a = sigmoid^(1/8): stays close to 1
+            elif name == "eta":
+                out[name] = torch.sigmoid(g)
+            else:  # b, c, a (titans), m
+                out[name] = torch.sigmoid(g)
+        return out
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        B, T, _ = x.shape
+        H, K = self.H, self.K
+        qkv = self.qkv(x)  # (B, T, 3HK)
+        conv_state = state.conv
+        if self.conv is not None:
+            full = torch.cat([state.conv, qkv], dim=1)  # (B, w-1+T, 3HK)
+            conv_state = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
+            qkv = F.silu(F.conv1d(full.transpose(1, 2), self.conv.weight,
+                                  groups=qkv.shape[-1]).transpose(1, 2))
+        q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
+        q = F.normalize(q, dim=-1)
+        k = F.normalize(k, dim=-1)
+        u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
+        y, mc = self.memory.forward(state.mc, q, k, v, u, self.gates(x), init=self.init_memory())
+        y = self.out_norm(y).reshape(B, T, H * K) * F.silu(self.g_proj(x))
+        return self.o_proj(y), LayerState(mc, conv_state)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MCMixer(cfg, layer_idx)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        h, state = self.mixer(self.norm1(x), state)
+        x = x + h
+        return x + self.mlp(self.norm2(x)), state
+
+
+class MCForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() >= 2 and "init" not in name:
+                nn.init.normal_(p, std=std)
+        for block in self.layers:  # residual branches scaled down with depth (GPT-2 style)
+            nn.init.normal_(block.mixer.o_proj.weight, std=std / math.sqrt(2 * len(self.layers)))
+            nn.init.normal_(block.mlp.down.weight, std=std / math.sqrt(2 * len(self.layers)))
+            if block.mixer.conv is not None:
+                nn.init.normal_(block.mixer.conv.weight, std=1.0 / block.mixer.cfg.conv_size)
+            block.mixer.reset_gate_bias()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def init_state(self, batch: int = 1) -> ModelState:
+        return ModelState([blk.mixer.init_state(batch, self.dtype, self.device)
+                           for blk in self.layers])
+
+    def forward(self, input_ids: Tensor, state: ModelState | None = None
+                ) -> tuple[Tensor, ModelState]:
+        """input_ids ``(B, T)`` → logits ``(B, T, vocab)`` and the state after the last token."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+        if state is None:
+            state = self.init_state(input_ids.shape[0])
+        x = self.embed(input_ids)
+        new_layers = []
+        for blk, ls in zip(self.layers, state.layers, strict=True):
+            x, ls = blk(x, ls)
+            new_layers.append(ls)
+        return self.lm_head(self.norm(x)), replace(state, layers=new_layers)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor | list[int], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int | None = None,
+                 eos_token_id: int | None = None) -> list[int]:
+        """Single-sequence generation (greedy when temperature is 0); returns the new ids."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("input_ids must hold at least one token")
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(seed)
+        logits, state = self(ids)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            last = logits[0, -1].float()
+            if temperature > 0:
+                probs = torch.softmax(last / temperature, -1).cpu()
+                nxt = int(torch.multinomial(probs, 1, generator=gen))
+            else:
+                nxt = int(last.argmax())
+            out.append(nxt)
+            if eos_token_id is not None and nxt == eos_token_id:
+                break
+            logits, state = self(torch.tensor([[nxt]], device=self.device), state)
+        return out
+
+    def save_pretrained(self, path: str | Path, tokenizer_files: dict | None = None) -> None:
+        from mcserve.models.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, tokenizer_files=tokenizer_files)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> MCForCausalLM:
+        from mcserve.models.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, cls, dtype=dtype, device=device)
