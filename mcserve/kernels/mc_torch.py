@@ -16,7 +16,8 @@ def mc_linear(
     q: Tensor, k: Tensor, v: Tensor, u: Tensor, a: Tensor | None = None, b: Tensor | None = None,
     *, variant: str, segment_len: int, top_k: int = 2, mode: str = "checkpoint",
 ) -> Tensor:
-    """Fast twin of ``reference.mc_linear``: q, k, u ``(T, H, K)``, v ``(T, H, V)``, a/b ``(T, H)``."""
+    """Fast twin of ``reference.mc_linear``: q, k, u ``(T, H, K)``, v ``(T, H, V)``, a/b ``(T, H)``.
+    """
     from mcserve.models.mc import MCMemory
     from mcserve.models.memory.linear import LinearMemory
 

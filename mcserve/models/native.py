@@ -229,7 +229,8 @@ class MCForCausalLM(nn.Module):
                 ) -> tuple[Tensor, ModelState]:
         """input_ids ``(B, T)`` → logits ``(B, T, vocab)`` and the state after the last token."""
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+            shape = tuple(input_ids.shape)
+            raise ValueError(f"input_ids must be (batch, tokens), got shape {shape}")
         if state is None:
             state = self.init_state(input_ids.shape[0])
         x = self.embed(input_ids)
