@@ -127,3 +127,56 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+_DTYPES = ("float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the model weights; validated once here.
+
+    MC fields left as None keep the model's own settings (checkpoint config.json).
+    """
+
+    model: str | None = None  # checkpoint directory; None = the embedded default model
+    tokenizer: str | None = None  # directory with tokenizer.json; None = the model directory
+    max_num_seqs: int = 32  # sequences decoded together in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int = 32768  # prompt + generated tokens of one sequence
+    num_state_blocks: int = 1024  # device pool of cached segment checkpoints (all layers each)
+    host_state_blocks: int = 0  # host tier for preempted sequences' blocks (0 = recompute)
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # global sampling seed for requests without their own
+    mc_variant: str | None = None
+    mc_mode: str | None = None
+    segment_len: int | None = None
+    mc_top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_state_blocks"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if not isinstance(self.host_state_blocks, int) or self.host_state_blocks < 0:
+            raise ValueError(f"host_state_blocks must be >= 0, got {self.host_state_blocks!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.mc_variant is not None and self.mc_variant not in VARIANTS:
+            raise ValueError(f"mc_variant={self.mc_variant!r} is not one of {VARIANTS}")
+        if self.mc_mode is not None and self.mc_mode not in MODES:
+            raise ValueError(f"mc_mode={self.mc_mode!r} is not one of {MODES}")
+        for name in ("segment_len", "mc_top_k"):
+            val = getattr(self, name)
+            if val is not None and (not isinstance(val, int) or val < 1):
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+
+    def mc_overrides(self) -> dict[str, Any]:
+        names = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

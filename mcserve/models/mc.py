@@ -66,6 +66,26 @@ class MCLayerState:
         )
 
 
+@dataclass
+class PagedLayer:
+    """One layer's view of a ragged decode batch whose cached blocks live in a shared pool.
+
+    Every row is a different sequence at its own position; row b owns the blocks
+    ``table[b, :n]`` (padded with -1). Invariant between steps: ``seg_len < segment_len``
+    (the runner pushes a completed segment into a pool block right after the token that ends it).
+    """
+
+    mem: State  # online memory, (B, ...)
+    conv: Tensor | None  # (B, conv_size - 1, C) short-conv tail
+    seg_ksum: Tensor  # (B, H, K)
+    seg_len: Tensor  # (B,) long
+    n_seg: Tensor  # (B,) long, cached segments so far
+    csum: State | None  # collapsed variants: Σ of cached readout states, (B, ...)
+    table: Tensor  # (B, N) long block ids, -1 = no block
+    pool: State  # readout key -> (num_blocks, H, ...) this layer's slice of the block pool
+    ksum_pool: Tensor  # (num_blocks, H, K) key sums of the blocks
+
+
 class MCMemory:
     """One memory family wrapped with one MC configuration."""
 
@@ -114,7 +134,7 @@ class MCMemory:
                 n = 1
             else:
                 if st.seg_len == self.cfg.segment_len:
-                    self._push(st, init)
+                    self.push(st, init)
                 n = min(T - t0, self.cfg.segment_len - st.seg_len)
             sl = slice(t0, t0 + n)
             ys.append(self._piece(st, q[:, sl], k[:, sl], v[:, sl], u[:, sl],
@@ -123,8 +143,98 @@ class MCMemory:
         y = torch.cat(ys, dim=1) if ys else v.new_zeros(v.shape)
         return y, st
 
+    # ------------------------------------------------------------------ ragged decode
+    def decode_paged(self, pl: PagedLayer, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
+                     gates: dict[str, Tensor]) -> Tensor:
+        """One token per row, rows at different positions, blocks read from the pool.
+
+        q, k, u ``(B, 1, H, K)``; updates ``pl.mem``, ``pl.seg_ksum`` (not seg_len / pushes,
+        which the runner owns) and returns y ``(B, 1, H, V)``. Constant segmentation only.
+        """
+        variant = self.cfg.variant
+        if variant == "loglinear":
+            raise NotImplementedError("loglinear decode over a block pool is not supported")
+        if variant == "none":
+            y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
+            return y
+        B, _, H, K = q.shape
+        cum = pl.seg_ksum + k[:, 0]  # (B, H, K)
+        pl.seg_ksum = cum
+        if self.collapsed:
+            scale = (q.new_ones(B) if variant == "residual"
+                     else 1.0 / (pl.n_seg + 1).to(q.dtype))[:, None, None]  # (B, 1, 1)
+            o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
+            w = scale[..., None].expand(B, 1, 1, H)
+            csum = {key: t[:, None] for key, t in pl.csum.items()}
+            return o * scale[..., None] + self.family.readout_mix(csum, q, w)
+        table = pl.table
+        valid = table >= 0  # (B, N)
+        tb = table.clamp_min(0)
+        N = table.shape[1]
+        if variant in ("residual", "post"):  # deep memories: explicit sum over the blocks
+            scale = (q.new_ones(B) if variant == "residual"
+                     else 1.0 / (pl.n_seg + 1).to(q.dtype))
+            w_on = scale[:, None, None].expand(B, 1, H)
+            w_c = (valid.to(q.dtype) * scale[:, None])[:, None, :, None].expand(B, 1, N, H)
+            cached = {key: t[tb] for key, t in pl.pool.items()}
+        else:
+            p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
+            r_on = (u[:, 0] * p_on).sum(-1)[:, None] / math.sqrt(K)  # (B, 1, H)
+            p_c = pl.ksum_pool[tb] / self.cfg.segment_len  # (B, N, H, K)
+            r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
+            r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
+            if variant == "ssc" and N > self.cfg.top_k:
+                idx = self._select(r_c)  # (B, 1, k, H)
+                r_c = r_c.gather(2, idx)
+                ids = tb.gather(1, idx[:, 0].flatten(1)).view(B, -1, H)  # (B, k, H) block ids
+                h = torch.arange(H, device=q.device)[None, None, :]
+                cached = {key: t[ids, h] for key, t in pl.pool.items()}  # only selected blocks
+            else:
+                cached = {key: t[tb] for key, t in pl.pool.items()}
+            gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), dim=2)
+            w_on, w_c = gamma[:, :, -1], gamma[:, :, :-1]
+        if self.soup:
+            y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, (w_on, cached, w_c))
+            return y
+        o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
+        y = o * w_on[..., None]
+        if w_c.shape[2]:
+            y = y + self.family.readout_mix(cached, q, w_c)
+        return y
+
+    def _scan_rows(self, mem: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor],
+                   soup: tuple | None = None) -> tuple[Tensor, State]:
+        """family.scan (or scan_soup) for rows that may sit at different inner-chunk phases.
+
+        Deep memories keep the fill of the current inner chunk per row; their scan needs one
+        fill per call, so rows are grouped by fill (at most ``inner_chunk`` groups, never a
+        loop over sequences).
+        """
+        def run(m, qq, kk, vv, gg, sp):
+            if sp is None:
+                return self.family.scan(m, qq, kk, vv, gg)
+            w_on, cached, w_c = sp
+            return self.family.scan_soup(m, qq, kk, vv, gg, w_on, cached, w_c)
+
+        fill = mem.get("fill")
+        if fill is None or bool((fill == fill[0]).all()):
+            return run(mem, q, k, v, gates, soup)
+        y = v.new_empty(v.shape)
+        out = {key: t.clone() for key, t in mem.items()}
+        for f in fill.unique().tolist():
+            rows = (fill == f).nonzero().flatten()
+            sub = {key: t[rows] for key, t in mem.items()}
+            sp = None if soup is None else (
+                soup[0][rows], {key: t[rows] for key, t in soup[1].items()}, soup[2][rows])
+            yr, new = run(sub, q[rows], k[rows], v[rows], {g: x[rows] for g, x in gates.items()},
+                          sp)
+            y[rows] = yr
+            for key, t in new.items():
+                out[key][rows] = t
+        return y, out
+
     # ------------------------------------------------------------------ segments
-    def _push(self, st: MCLayerState, init: dict[str, Tensor] | None) -> None:
+    def push(self, st: MCLayerState, init: dict[str, Tensor] | None) -> None:
         """The online segment is complete: cache its memory, start a new segment."""
         block = {key: st.mem[key][:, None] for key in self.family.readout_keys}
         if self.collapsed and st.num_cached:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import ModelConfig
-from mcserve.models.mc import MCLayerState, MCMemory
+from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 
 
@@ -145,23 +145,36 @@ class MCMixer(nn.Module):
                 out[name] = torch.sigmoid(g)
         return out
 
-    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+    def _project(self, x: Tensor, conv_tail: Tensor | None):
+        """x ``(B, T, D)`` → q, k, v, u ``(B, T, H, K)``, gates, and the new conv tail."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         qkv = self.qkv(x)  # (B, T, 3HK)
-        conv_state = state.conv
         if self.conv is not None:
-            full = torch.cat([state.conv, qkv], dim=1)  # (B, w-1+T, 3HK)
-            conv_state = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
+            full = torch.cat([conv_tail, qkv], dim=1)  # (B, w-1+T, 3HK)
+            conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
             qkv = F.silu(F.conv1d(full.transpose(1, 2), self.conv.weight,
                                   groups=qkv.shape[-1]).transpose(1, 2))
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)
         u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
-        y, mc = self.memory.forward(state.mc, q, k, v, u, self.gates(x), init=self.init_memory())
-        y = self.out_norm(y).reshape(B, T, H * K) * F.silu(self.g_proj(x))
-        return self.o_proj(y), LayerState(mc, conv_state)
+        return q, k, v, u, self.gates(x), conv_tail
+
+    def _output(self, x: Tensor, y: Tensor) -> Tensor:
+        B, T = x.shape[:2]
+        y = self.out_norm(y).reshape(B, T, self.H * self.K) * F.silu(self.g_proj(x))
+        return self.o_proj(y)
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        q, k, v, u, gates, conv = self._project(x, state.conv)
+        y, mc = self.memory.forward(state.mc, q, k, v, u, gates, init=self.init_memory())
+        return self._output(x, y), LayerState(mc, conv)
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
+        q, k, v, u, gates, pl.conv = self._project(x, pl.conv)
+        return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates))
 
 
 class SwiGLU(nn.Module):
@@ -187,6 +200,10 @@ class Block(nn.Module):
         h, state = self.mixer(self.norm1(x), state)
         x = x + h
         return x + self.mlp(self.norm2(x)), state
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        x = x + self.mixer.forward_paged(self.norm1(x), pl)
+        return x + self.mlp(self.norm2(x))
 
 
 class MCForCausalLM(nn.Module):
@@ -239,6 +256,17 @@ class MCForCausalLM(nn.Module):
             x, ls = blk(x, ls)
             new_layers.append(ls)
         return self.lm_head(self.norm(x)), replace(state, layers=new_layers)
+
+    def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
+        """Decode one token for each row of a ragged batch: input_ids ``(B, 1)`` → ``(B, 1, V)``.
+
+        The rows may be at different positions with different numbers of cached segments; the
+        ``PagedLayer`` views are updated in place (online memory, conv tail, key sums).
+        """
+        x = self.embed(input_ids)
+        for blk, pl in zip(self.layers, layers, strict=True):
+            x = blk.forward_paged(x, pl)
+        return self.lm_head(self.norm(x))
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | list[int], max_new_tokens: int,

@@ -1,0 +1,318 @@
+"""LLMEngine: requests in, one ``step()`` at a time, RequestOutputs out (not thread-safe).
+
+step = scheduler decides → runner computes (prefill chunks, one ragged decode batch) → sampler
+picks tokens → detokenise, check stops → finished sequences return their slot and blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcserve.config import EngineConfig, ModelConfig
+from mcserve.engine.outputs import CompletionOutput, RequestOutput
+from mcserve.engine.runner import ModelRunner
+from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
+from mcserve.engine.scheduler import Scheduler
+from mcserve.engine.sequence import Sequence, Status
+from mcserve.engine.state_cache import StateCache
+from mcserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from mcserve.models.native import MCForCausalLM
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
+
+
+def load_model(path: str | Path, config: EngineConfig) -> MCForCausalLM:
+    """Load a native checkpoint, applying the engine's MC overrides (post-hoc MC).
+
+    A variant that needs gate connectors u on a checkpoint trained without them uses u = q
+    (``share_uq``, the paper's parameter-free choice).
+    """
+    path = Path(path)
+    model = MCForCausalLM.from_pretrained(path, dtype=_DTYPES[config.dtype], device=config.device)
+    overrides = config.mc_overrides()
+    if not overrides:
+        return model
+    cfg = model.config.replace(**overrides)
+    if cfg.mc_variant in ("grm", "soup", "ssc", "loglinear") and not any(
+            "u_proj" in n for n, _ in model.named_parameters()):
+        cfg = cfg.replace(share_uq=True)
+    new = MCForCausalLM(cfg).to(dtype=_DTYPES[config.dtype], device=config.device)
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    if missing or [k for k in unexpected if "u_proj" not in k]:
+        raise ValueError(f"cannot apply MC overrides {overrides}: parameters {missing} missing")
+    return new
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, model: MCForCausalLM | None = None,
+                 tokenizer: Tokenizer | None = None, model_name: str | None = None):
+        self.config = config = config or EngineConfig()
+        if model is None:
+            path = Path(config.model) if config.model else DEFAULT_MODEL_DIR
+            if not (path / "config.json").is_file():
+                where = "the embedded default model" if not config.model else "MODEL"
+                raise ValueError(f"{where}: no checkpoint at {path} (config.json missing)")
+            _check_model_type(path)
+            model = load_model(path, config)
+            if tokenizer is None:
+                tok_dir = Path(config.tokenizer) if config.tokenizer else path
+                tokenizer = (Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file()
+                             else Tokenizer.byte_level())
+            model_name = model_name or (path.name if config.model else "mcserve-default")
+        model.eval()
+        self.model = model
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer or Tokenizer.byte_level()
+        self.model_name = model_name or "mcserve"
+        mcfg = self.model_config
+        if mcfg.mc_variant == "loglinear":
+            raise ValueError("mc_variant='loglinear' is not supported by the engine yet "
+                             "(its segmentation changes every token); use the model directly")
+        salt = json.dumps(mcfg.to_dict(), sort_keys=True).encode()
+        self.cache = StateCache(model, config.num_state_blocks, config.max_num_seqs,
+                                config.enable_prefix_caching, salt=salt)
+        self.scheduler = Scheduler(
+            self.cache, segment_len=mcfg.segment_len, segmented=mcfg.mc_variant != "none",
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._arrival = itertools.count()
+        self._global_gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ------------------------------------------------------------------ describe
+    def describe(self) -> str:
+        m, c = self.model_config, self.config
+        return (f"model={self.model_name} ({m.memory}, {m.n_layers} layers, d={m.d_model}) "
+                f"mc={m.mc_variant}/{m.mc_mode} segment_len={m.segment_len} top_k={m.mc_top_k} "
+                f"device={c.device} dtype={c.dtype} slots={c.max_num_seqs} "
+                f"blocks={c.num_state_blocks} "
+                f"({self.cache.bytes_per_block * c.num_state_blocks / 2**20:.0f} MiB) "
+                f"prefix_caching={c.enable_prefix_caching}")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
+                    *, prompt_token_ids: list[int] | None = None,
+                    mc_overrides: dict | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} already exists")
+        if mc_overrides:
+            raise ValueError(f"mc overrides {sorted(mc_overrides)} are not supported per request "
+                             f"by this model; set them when starting the engine")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string (or pass prompt_token_ids)")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        V = self.model_config.vocab_size
+        if any(t < 0 or t >= V for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        L = self.config.max_model_len
+        if len(ids) >= L:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={L} "
+                             f"minus one generated token")
+        total = len(ids) + (params.max_tokens or L - len(ids))
+        if params.max_tokens is not None and total > L:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens "
+                             f"exceeds max_model_len={L}")
+        C = self.model_config.segment_len
+        if self.scheduler.segmented and min(total, L) // C > self.cache.num_blocks:
+            raise ValueError(f"the request needs up to {min(total, L) // C} state blocks but the "
+                             f"pool holds {self.cache.num_blocks} (num_state_blocks)")
+        req = _Request(request_id, prompt, ids, params)
+        arrival = next(self._arrival)
+        for i in range(params.n):
+            seq = Sequence(request_id, i, list(ids), params,
+                           generator=make_generator(params.seed, "cpu", i), arrival=arrival)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        self.prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        for item in sched.prefills:
+            seq = item.seq
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            try:
+                want_all = seq.params.prompt_logprobs is not None and not seq.output_ids
+                p0 = seq.num_computed_tokens
+                logits = self.runner.prefill(item, want_all)
+                if want_all:
+                    self._prompt_logprobs(seq, p0, logits)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    to_sample.append((seq, logits[-1]))
+            except Exception as e:  # one request's failure fails only that request
+                self._fail(req, e)
+        if sched.decodes:
+            try:
+                logits = self.runner.decode(sched.decodes)
+                for r, item in enumerate(sched.decodes):
+                    to_sample.append((item.seq, logits[r]))
+            except Exception as e:
+                for item in sched.decodes:
+                    self._fail(self.requests[item.seq.request_id], e)
+        to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
+        if to_sample:
+            seqs = [s for s, _ in to_sample]
+            out = self.sampler(
+                torch.stack([lg for _, lg in to_sample]).float(), [s.params for s in seqs],
+                [s.generator or self._global_gen for s in seqs], [s.output_ids for s in seqs],
+                [s.prompt_ids for s in seqs])
+            for r, seq in enumerate(seqs):
+                req = self.requests[seq.request_id]
+                touched[req.request_id] = req
+                try:
+                    self._append(seq, out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
+                except Exception as e:
+                    self._fail(req, e)
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _prompt_logprobs(self, seq: Sequence, p0: int, logits: torch.Tensor) -> None:
+        """Logits at positions p0..p0+n-1 score tokens p0+1..p0+n (first prompt token: None)."""
+        n = seq.params.prompt_logprobs
+        ids = seq.prompt_ids
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        end = min(p0 + logits.shape[0], len(ids) - 1)
+        if end > p0:
+            lp = prompt_logprobs(logits[:end - p0].float(), ids[p0:end + 1], n)
+            seq.prompt_logprobs.extend(lp[1:])  # lp[0] is the None of "no context"
+
+    def _append(self, seq: Sequence, tok: int, logprob: float, top: dict | None) -> None:
+        p = seq.params
+        seq.output_ids.append(tok)
+        seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(top if top is not None else {tok: logprob})
+        self.generation_tokens_total += 1
+        prev_len = len(seq.detok.text)
+        seq.detok.add(tok)
+        text = seq.detok.text
+        reason = stop = None
+        if not p.ignore_eos and tok == self.tokenizer.eos_token_id:
+            reason = "stop"
+        elif tok in (p.stop_token_ids or ()):
+            reason, stop = "stop", tok
+        elif p.stop:
+            hit = find_stop(text, max(0, prev_len - max(len(s) for s in p.stop)), p.stop)
+            if hit is not None:
+                idx, s = hit
+                text = text[:idx + len(s)] if p.include_stop_str_in_output else text[:idx]
+                reason, stop = "stop", s
+        if reason is None:
+            if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if stop is None and reason == "length":
+                seq.detok.flush()
+                text = seq.detok.text
+            seq.text = text
+            seq.finish_reason, seq.stop_reason = reason, stop
+            self.scheduler.finish(seq)
+        else:
+            hold = stop_holdback(text, p.stop) if p.stop else 0
+            seq.text = text[:len(text) - hold]
+
+    def _fail(self, req: _Request, err: Exception) -> None:
+        req.error = f"{type(err).__name__}: {err}"
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=list(s.output_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        first = req.seqs[0]
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+            outputs=outs, finished=req.finished, prompt_logprobs=first.prompt_logprobs,
+            error=req.error, num_cached_tokens=first.num_cached_tokens)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, float | int]:
+        c = self.cache
+        return {
+            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len({s.request_id for s in self.scheduler.waiting}
+                                        - {s.request_id for s in self.scheduler.running}),
+            "state_blocks_used": c.num_blocks - len(c.free_blocks) - len(c.evictable),
+            "state_blocks_cached": len(c.evictable),
+            "state_blocks_total": c.num_blocks,
+            "state_slots_used": c.num_slots - len(c.free_slots),
+            "state_slots_total": c.num_slots,
+            "prefix_cache_queries": c.prefix_queries,
+            "prefix_cache_hits": c.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }
+
+
+def _check_model_type(path: Path) -> None:
+    try:
+        mt = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'}: cannot read ({e})") from e
+    if mt != "mcserve":
+        raise ValueError(f"{path / 'config.json'}: model_type {mt!r} is not supported; "
+                         f"supported: ['mcserve']")

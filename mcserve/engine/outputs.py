@@ -1,0 +1,38 @@
+"""What the engine hands back for a request (vLLM-shaped, plain dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request, cumulative so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # per generated token: {token_id: logprob} holding the sampled token and the top
+    # ``SamplingParams.logprobs`` alternatives; None when logprobs were not asked for
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    # per prompt token: {token_id: logprob} (None for the first token, which has no context);
+    # filled when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # set when the request failed inside the engine
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,0 +1,201 @@
+"""ModelRunner: turns the scheduler's decision into tensors and runs the model.
+
+* Prefill chunks run one sequence at a time through the model's parallel form, cut at segment
+  boundaries; each completed segment is written into its pool block the moment it completes.
+* Decodes run as one ragged batch (``MCForCausalLM.forward_paged``): rows at different
+  positions, with different numbers of cached segments, read their blocks from the pool through
+  a padded block table. No Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mcserve.engine.scheduler import ScheduledSeq
+from mcserve.engine.sequence import Sequence
+from mcserve.engine.state_cache import StateCache, block_hash
+from mcserve.models.mc import MCLayerState, PagedLayer
+from mcserve.models.native import LayerState, MCForCausalLM, ModelState
+
+
+class ModelRunner:
+    def __init__(self, model: MCForCausalLM, cache: StateCache):
+        self.model = model
+        self.cache = cache
+        cfg = model.config
+        self.C = cfg.segment_len
+        self.segmented = cfg.mc_variant != "none"
+        self.mems = [blk.mixer.memory for blk in model.layers]
+        self.inits = [blk.mixer.init_memory() for blk in model.layers]
+        # the initial online memory of each layer, without the batch dim
+        self.init_mem = [
+            {k: t[0] for k, t in blk.mixer.init_state(1, model.dtype, model.device).mc.mem.items()}
+            for blk in model.layers
+        ]
+        self.independent = cfg.mc_mode == "independent"
+
+    # ------------------------------------------------------------------ state <-> pool
+    def init_slot(self, seq: Sequence, resume_block: int) -> None:
+        if resume_block < 0:
+            self.cache.clear_slot(seq.slot, self.init_mem)
+        else:
+            init = self.init_mem if self.independent else [None] * len(self.init_mem)
+            self.cache.copy_block_to_slot(resume_block, seq.slot, init)
+
+    def load_state(self, seq: Sequence) -> ModelState:
+        """A batch-of-one model state for ``seq`` from its slot and block table."""
+        s, table = seq.slot, seq.block_table
+        N = len(table)
+        idx = torch.tensor(table, dtype=torch.long, device=self.model.device)
+        layers = []
+        for mc, sl, bl in zip(self.mems, self.cache.slot, self.cache.block, strict=True):
+            keys = mc.family.readout_keys
+            mem = {name[4:]: t[s:s + 1].clone() for name, t in sl.items()
+                   if name.startswith("mem.")}
+            if mc.collapsed:
+                n = min(N, 1)
+                cached = {k: sl[f"csum.{k}"][s:s + 1, None][:, :n].clone() for k in keys}
+                ksum = bl["ksum"].new_zeros((1, n) + bl["ksum"].shape[1:])
+            else:
+                cached = {k: bl[f"mem.{k}"][idx][None] for k in keys}
+                ksum = bl["ksum"][idx][None]
+            st = MCLayerState(
+                mem=mem, seg_ksum=sl["seg_ksum"][s:s + 1].clone(), seg_len=seq.seg_len,
+                cached=cached, cached_ksum=ksum, cached_len=[self.C] * ksum.shape[1],
+                cached_pos=[(i + 1) * self.C for i in range(ksum.shape[1])], n_segments=N,
+                pos=seq.num_computed_tokens, v_dim=self.model.config.head_dim,
+            )
+            conv = sl["conv"][s:s + 1].clone() if "conv" in sl else None
+            layers.append(LayerState(st, conv))
+        return ModelState(layers)
+
+    def store_state(self, seq: Sequence, state: ModelState) -> None:
+        s = seq.slot
+        for mc, sl, ls in zip(self.mems, self.cache.slot, state.layers, strict=True):
+            for k, t in ls.mc.mem.items():
+                sl[f"mem.{k}"][s] = t[0]
+            sl["seg_ksum"][s] = ls.mc.seg_ksum[0]
+            if ls.conv is not None:
+                sl["conv"][s] = ls.conv[0]
+            if mc.collapsed and ls.mc.num_cached:
+                for k in mc.family.readout_keys:
+                    sl[f"csum.{k}"][s] = ls.mc.cached[k][0, 0]
+
+    def _register(self, seq: Sequence, bid: int) -> None:
+        i = len(seq.block_table)
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        h = block_hash(parent, seq.all_ids[i * self.C:(i + 1) * self.C], self.cache.salt)
+        seq.block_table.append(bid)
+        seq.block_hashes.append(h)
+        self.cache.register(bid, h)
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, item: ScheduledSeq, want_all_logits: bool) -> Tensor:
+        """Compute ``item.num_tokens`` tokens of one sequence; returns logits ``(n, V)`` (all
+        positions) or ``(1, V)`` (the last one)."""
+        seq = item.seq
+        if item.resume_block is not None:
+            self.init_slot(seq, item.resume_block)
+        state = self.load_state(seq)
+        p0 = seq.num_computed_tokens
+        ids = seq.all_ids[p0:p0 + item.num_tokens]
+        new_blocks = list(item.new_blocks)
+        outs, p = [], 0
+        while p < len(ids):
+            n = len(ids) - p
+            if self.segmented:
+                n = min(n, self.C - seq.seg_len)
+            x = torch.tensor([ids[p:p + n]], dtype=torch.long, device=self.model.device)
+            logits, state = self.model(x, state)
+            outs.append(logits[0] if want_all_logits else logits[0, -1:])
+            p += n
+            seq.num_computed_tokens += n
+            seq.seg_len += n
+            if self.segmented and seq.seg_len == self.C:
+                self._push_state(seq, state, new_blocks.pop(0))
+        assert not new_blocks, "scheduler allocated blocks the chunk did not complete"
+        self.store_state(seq, state)
+        return torch.cat(outs) if want_all_logits else outs[-1]
+
+    def _push_state(self, seq: Sequence, state: ModelState, bid: int) -> None:
+        """The online segment just completed: write its checkpoint into block ``bid``."""
+        for mc, bl, ls, init in zip(self.mems, self.cache.block, state.layers, self.inits,
+                                    strict=True):
+            st = ls.mc
+            for k, t in st.mem.items():
+                bl[f"mem.{k}"][bid] = t[0]
+            bl["ksum"][bid] = st.seg_ksum[0]
+            if ls.conv is not None:
+                bl["conv"][bid] = ls.conv[0]
+            mc.push(st, init)
+            if mc.collapsed:
+                for k in mc.family.readout_keys:
+                    bl[f"csum.{k}"][bid] = st.cached[k][0, 0]
+        seq.seg_len = 0
+        self._register(seq, bid)
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, items: list[ScheduledSeq]) -> Tensor:
+        """One token for each sequence, as one ragged batch; returns logits ``(B, V)``."""
+        seqs = [it.seq for it in items]
+        dev = self.model.device
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        n_max = max(len(s.block_table) for s in seqs)
+        table = torch.full((len(seqs), n_max), -1, dtype=torch.long, device=dev)
+        for r, s in enumerate(seqs):
+            if s.block_table:
+                table[r, :len(s.block_table)] = torch.tensor(s.block_table, device=dev)
+        seg_len = torch.tensor([s.seg_len for s in seqs], dtype=torch.long, device=dev)
+        n_seg = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long, device=dev)
+        layers = []
+        for mc, sl, bl in zip(self.mems, self.cache.slot, self.cache.block, strict=True):
+            keys = mc.family.readout_keys
+            layers.append(PagedLayer(
+                mem={n[4:]: t[slots] for n, t in sl.items() if n.startswith("mem.")},
+                conv=sl["conv"][slots] if "conv" in sl else None,
+                seg_ksum=sl["seg_ksum"][slots], seg_len=seg_len, n_seg=n_seg,
+                csum={k: sl[f"csum.{k}"][slots] for k in keys} if mc.collapsed else None,
+                table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
+            ))
+        tokens = torch.tensor([[s.all_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
+        logits = self.model.forward_paged(tokens, layers)[:, 0]
+        # rows whose segment completes with this token push a checkpoint
+        done = [r for r, s in enumerate(seqs) if self.segmented and s.seg_len + 1 == self.C]
+        if done:
+            rows = torch.tensor(done, dtype=torch.long, device=dev)
+            bids = torch.tensor([items[r].new_blocks[0] for r in done], dtype=torch.long,
+                                device=dev)
+            for mc, bl, pl, init in zip(self.mems, self.cache.block, layers, self.init_mem,
+                                        strict=True):
+                for k, t in pl.mem.items():
+                    bl[f"mem.{k}"][bids] = t[rows]
+                bl["ksum"][bids] = pl.seg_ksum[rows]
+                pl.seg_ksum[rows] = 0
+                if pl.conv is not None:
+                    bl["conv"][bids] = pl.conv[rows]
+                if mc.collapsed:
+                    for k in mc.family.readout_keys:
+                        pl.csum[k][rows] += pl.mem[k][rows]
+                        bl[f"csum.{k}"][bids] = pl.csum[k][rows]
+                if self.independent:
+                    for k, t in pl.mem.items():
+                        t[rows] = init[k]
+        for mc, sl, pl in zip(self.mems, self.cache.slot, layers, strict=True):
+            for k, t in pl.mem.items():
+                sl[f"mem.{k}"][slots] = t
+            sl["seg_ksum"][slots] = pl.seg_ksum
+            if pl.conv is not None:
+                sl["conv"][slots] = pl.conv
+            if pl.csum is not None:
+                for k, t in pl.csum.items():
+                    sl[f"csum.{k}"][slots] = t
+        for r, s in enumerate(seqs):
+            s.num_computed_tokens += 1
+            s.seg_len += 1
+            if r in done:
+                s.seg_len = 0
+                self._register(s, items[r].new_blocks[0])
+        return logits

@@ -1,0 +1,409 @@
+"""Sampling parameters and the batched sampler (vLLM-compatible names and semantics).
+
+``SamplingParams`` holds one request's decoding settings and validates them. ``Sampler`` turns a
+batch of next-token logits into tokens, one ``SamplingParams`` and one ``torch.Generator`` per
+row. The processing (penalties, temperature, top-k, top-p, min-p) is vectorised over the batch;
+only the final multinomial draw loops over the seeded rows, so that a seeded request draws the
+same tokens whatever else is in the batch.
+
+Logprob convention (as vLLM): every reported logprob is taken from the *raw* model distribution,
+``log_softmax`` of the unprocessed logits, whatever penalties, temperature or truncation chose the
+token. See docs/engine-sampling.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "make_generator",
+    "prompt_logprobs",
+]
+
+MAX_LOGPROBS = 20  # the most alternatives per token that ``logprobs`` / ``prompt_logprobs`` allow
+_GREEDY_EPS = 1e-5
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions apart
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: object) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request. Names, defaults and meanings follow vLLM.
+
+    ``stop`` and ``stop_token_ids`` are normalised to lists (``None`` -> ``[]``). Invalid values
+    raise ``ValueError`` whose message starts with the argument's name.
+    """
+
+    n: int = 1  # completions per request
+    max_tokens: int | None = 16  # None: until EOS / a stop / the context limit
+    temperature: float = 1.0  # 0 (below 1e-5): greedy
+    top_p: float = 1.0  # nucleus: smallest set of tokens with total probability >= top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1: disabled
+    min_p: float = 0.0  # drop tokens whose probability < min_p * the top token's probability
+    seed: int | None = None  # per-request seed: the same seed reproduces the same tokens
+    stop: str | list[str] | None = None  # stop strings (not part of the output unless asked)
+    stop_token_ids: list[int] | None = None  # extra token ids that end the completion
+    ignore_eos: bool = False  # keep going past EOS
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # >1 discourages seen tokens (logit / p if > 0 else * p)
+    logprobs: int | None = None  # alternatives reported per generated token (0: sampled only)
+    prompt_logprobs: int | None = None  # alternatives reported per prompt token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain empty strings")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {ids!r}"
+            )
+        return list(ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the temperature is (numerically) zero: the argmax token is taken."""
+        return self.temperature < _GREEDY_EPS
+
+
+def make_generator(
+    seed: int | None, device: torch.device | str = "cpu", index: int = 0
+) -> torch.Generator | None:
+    """A generator for completion ``index`` of a request with ``seed`` (None: no seed -> None).
+
+    Completion 0 uses ``seed`` itself; the others get seeds spread from it, so a request's ``n``
+    completions differ from one another but each reproduces.
+    """
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed + index * _GOLDEN) % 2**64)
+    return gen
+
+
+# --- sampler -------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per batch row."""
+
+    token_ids: list[int]
+    # log-prob of the sampled token under the raw model distribution (log_softmax of the logits)
+    logprobs: list[float]
+    # rows whose params.logprobs is not None: {token_id: raw logprob}, the top ``logprobs``
+    # alternatives in decreasing order, then the sampled token if it is not among them
+    top_logprobs: list[dict[int, float] | None]
+
+
+def _row_tensor(values: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+class Sampler:
+    """Batched next-token sampling. Stateless; one instance can serve every step.
+
+    Processing order per row: repetition, frequency and presence penalties (from the row's
+    generated tokens) -> greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p ->
+    a multinomial draw with the row's generator (the global torch generator when it is None).
+    Generators must live on the logits' device.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (B, V).
+
+        ``prompt_token_ids`` is optional: when given, the repetition penalty also covers the
+        prompt's tokens (as vLLM's does); presence and frequency penalties only ever count the
+        generated tokens.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
+        b, v = logits.shape
+        for name, seq in (("params", params), ("generators", generators),
+                          ("output_token_ids", output_token_ids)):
+            if len(seq) != b:
+                raise ValueError(f"{name} has {len(seq)} entries for a batch of {b}")
+        if prompt_token_ids is not None and len(prompt_token_ids) != b:
+            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} entries "
+                             f"for a batch of {b}")
+        device = logits.device
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        x = _apply_penalties(logits, params, output_token_ids, prompt_token_ids)
+
+        sampled = torch.empty(b, dtype=torch.long, device=device)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy_rows:
+            if len(greedy_rows) == b:
+                sampled = x.argmax(dim=-1)
+            else:
+                g = torch.tensor(greedy_rows, device=device)
+                sampled[g] = x[g].argmax(dim=-1)
+        if random_rows:
+            r = torch.tensor(random_rows, device=device)
+            rp = [params[i] for i in random_rows]
+            y = x if len(random_rows) == b else x[r]
+            y = y / _row_tensor([p.temperature for p in rp], device, y.dtype)[:, None]
+            y = _apply_top_k_top_p(y, [p.top_k for p in rp], [p.top_p for p in rp])
+            y = _apply_min_p(y, [p.min_p for p in rp])
+            probs = torch.softmax(y, dim=-1)
+            drawn = _draw(probs, [generators[i] for i in random_rows])
+            if len(random_rows) == b:
+                sampled = drawn
+            else:
+                sampled[r] = drawn
+
+        token_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
+
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        n_max = min(max((params[i].logprobs for i in want), default=0), v)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if want and n_max > 0:
+            w = torch.tensor(want, device=device)
+            vals, ids = raw_logprobs[w].topk(n_max, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+
+        token_list = sampled.tolist()
+        logprob_list = token_logprobs.tolist()
+        top: list[dict[int, float] | None] = [None] * b
+        for j, i in enumerate(want):
+            n = min(params[i].logprobs, v)
+            entry: dict[int, float] = {}
+            if n > 0:
+                entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
+            entry.setdefault(token_list[i], logprob_list[i])
+            top[i] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=logprob_list, top_logprobs=top)
+
+    @staticmethod
+    def prompt_logprobs(
+        logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], n: int
+    ) -> list[dict[int, float] | None]:
+        """See :func:`prompt_logprobs`."""
+        return prompt_logprobs(logits, token_ids, n)
+
+
+def _token_counts(
+    rows: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """(len(rows), vocab) int64 occurrence counts of each row's token ids (out-of-range ignored)."""
+    flat: list[int] = []
+    for r, ids in enumerate(rows):
+        base = r * vocab
+        flat.extend(base + t for t in ids if 0 <= t < vocab)
+    idx = torch.tensor(flat, dtype=torch.long, device=device)
+    return torch.bincount(idx, minlength=len(rows) * vocab).view(len(rows), vocab)
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    prompt_token_ids: Sequence[Sequence[int]] | None,
+) -> torch.Tensor:
+    rows = [
+        i for i, p in enumerate(params)
+        if p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+    ]
+    if not rows:
+        return logits
+    device, v = logits.device, logits.shape[1]
+    counts = _token_counts([output_token_ids[i] for i in rows], v, device)
+    seen = counts > 0
+    if prompt_token_ids is not None:
+        seen = seen | (_token_counts([prompt_token_ids[i] for i in rows], v, device) > 0)
+    ps = [params[i] for i in rows]
+    rep = _row_tensor([p.repetition_penalty for p in ps], device, logits.dtype)[:, None]
+    freq = _row_tensor([p.frequency_penalty for p in ps], device, logits.dtype)[:, None]
+    pres = _row_tensor([p.presence_penalty for p in ps], device, logits.dtype)[:, None]
+
+    r = torch.tensor(rows, device=device)
+    y = logits[r]
+    y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+    y = y - freq * counts.to(y.dtype) - pres * (counts > 0).to(y.dtype)
+    out = logits.clone()
+    out[r] = y
+    return out
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, drop. Ties keep the lower token id, like argmax."""
+    r, v = logits.shape
+    ks = [k if 0 < k < v else v for k in top_k]
+    use_k = any(k < v for k in ks)
+    use_p = any(p < 1.0 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    device = logits.device
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+    if use_k:
+        k = torch.tensor(ks, device=device)
+        ranks = torch.arange(v, device=device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], -math.inf)
+    if use_p:
+        p = _row_tensor(top_p, device, logits.dtype)[:, None]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0: the top token stays
+        sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    if not any(m > 0 for m in min_p):
+        return logits
+    m = _row_tensor(min_p, logits.device, logits.dtype)[:, None]
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * m
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One multinomial draw per row; seeded rows one by one (batch-independent), others at once."""
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    if unseeded:
+        u = torch.tensor(unseeded, device=probs.device)
+        out[u] = torch.multinomial(probs[u], 1).squeeze(1)
+    return out
+
+
+# --- prompt logprobs -----------------------------------------------------------------------------
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], n: int
+) -> list[dict[int, float] | None]:
+    """Prompt logprobs of a sequence of T tokens, from the raw model distribution.
+
+    ``logits`` is (T, V) (or (T-1, V)): row t is the model's output after reading token t.
+    Entry 0 is None (the first token has no context); entry i >= 1 maps the top ``n``
+    alternatives at position i (decreasing) and token i itself to their log-probs given the
+    tokens before i (row i-1 of ``logits``).
+
+    For a prompt processed in chunks, call it per chunk with the previous chunk's last logits row
+    and last token prepended, and drop the leading None.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device).reshape(-1)
+    t = ids.numel()
+    if logits.dim() != 2 or logits.shape[0] not in (t, t - 1):
+        raise ValueError(f"logits must be ({t} or {t - 1}, vocab) for {t} tokens, "
+                         f"got shape {tuple(logits.shape)}")
+    if not _is_int(n) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    if t == 0:
+        return []
+    result: list[dict[int, float] | None] = [None]
+    if t == 1:
+        return result
+    lp = torch.log_softmax(logits[: t - 1].float(), dim=-1)
+    targets = ids[1:]
+    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+    k = min(n, lp.shape[1])
+    if k > 0:
+        vals, top = lp.topk(k, dim=-1)
+        vals_l, top_l = vals.tolist(), top.tolist()
+    for j, tok in enumerate(targets.tolist()):
+        entry: dict[int, float] = dict(zip(top_l[j], vals_l[j])) if k > 0 else {}
+        entry.setdefault(tok, chosen[j])
+        result.append(entry)
+    return result

@@ -1,0 +1,164 @@
+"""Token-budget scheduler (vLLM v1 style): no prefill/decode phases, only "tokens to compute".
+
+Each step: running sequences first (oldest first), each gets its next token or its next prefill
+chunk; then waiting sequences are admitted in arrival order while the budget, the slots and the
+block pool allow. Prefill chunks end on segment boundaries (so every completed segment becomes a
+block the moment it completes, and prefix hashes are well defined). When the pool runs out, the
+newest running sequence is preempted and recomputed later (its hashed blocks usually survive in
+the prefix cache, which makes the recompute cheap). The waiting queue never skips its head, so
+nothing starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mcserve.engine.sequence import Sequence, Status
+from mcserve.engine.state_cache import StateCache, block_hash
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step
+    new_blocks: list[int]  # blocks for the segments this step completes, in order
+    resume_block: int | None = None  # set when the slot must be (re)initialised: -1 = fresh
+    #                                  sequence, otherwise the prefix block to resume from
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, cache: StateCache, *, segment_len: int, segmented: bool,
+                 max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.C = segment_len
+        self.segmented = segmented  # False for variant "none": no checkpoints at all
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and return its slot and blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.cache.free(seq.block_table)
+        seq.block_table = []
+        if seq.slot is not None:
+            self.cache.free_slot(seq.slot)
+            seq.slot = None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.seg_len = 0
+        seq.block_hashes = []
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    # ------------------------------------------------------------------ planning
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        if not self.segmented:
+            return 0
+        p = seq.num_computed_tokens
+        return (p + n) // self.C - p // self.C
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute now: all that is left, or the longest budget-fitting piece that
+        ends on a segment boundary."""
+        left = seq.num_uncomputed
+        if left <= budget:
+            return left
+        if not self.segmented:
+            return budget
+        p = seq.num_computed_tokens
+        return max(0, (p + budget) // self.C * self.C - p)
+
+    def prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the complete segments that may be reused: at least one token must remain to
+        be computed (its logits are needed), and prompt logprobs need every position computed."""
+        if not self.segmented or not self.cache.enable_prefix_caching:
+            return []
+        if seq.params.prompt_logprobs is not None:
+            return []
+        ids = seq.all_ids
+        out, parent = [], None
+        for s in range((len(ids) - 1) // self.C):
+            parent = block_hash(parent, ids[s * self.C:(s + 1) * self.C], self.cache.salt)
+            out.append(parent)
+        return out
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.budget
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING or budget <= 0:
+                continue
+            n = self._chunk(seq, budget)
+            if n <= 0:
+                continue
+            need = self._blocks_needed(seq, n)
+            while not self.cache.can_allocate(need):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            blocks = self.cache.allocate(need)
+            budget -= n
+            item = ScheduledSeq(seq, n, blocks)
+            (out.prefills if seq.is_prefill else out.decodes).append(item)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            slot = self.cache.allocate_slot()
+            if slot is None:
+                break
+            hashes = self.prefix_hashes(seq)
+            hits = self.cache.lookup(hashes)
+            seq.slot, seq.block_table = slot, hits
+            seq.block_hashes = hashes[:len(hits)]
+            seq.num_computed_tokens = len(hits) * self.C
+            seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_ids))
+            seq.seg_len = 0
+            n = self._chunk(seq, budget)
+            need = self._blocks_needed(seq, n)
+            blocks = self.cache.allocate(need) if n > 0 else None
+            if blocks is None:  # undo; the head waits (FCFS: nobody overtakes it)
+                self._release(seq)
+                seq.num_computed_tokens = 0
+                seq.block_hashes = []
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            budget -= n
+            resume = hits[-1] if hits else -1
+            out.prefills.append(ScheduledSeq(seq, n, blocks, resume_block=resume))
+        return out

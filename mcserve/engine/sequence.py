@@ -1,0 +1,67 @@
+"""A sequence owns its token ids, its counters, its state slot and its block table (nano-vllm)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from mcserve.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival: int = 0  # admission order: FCFS, and the newest is preempted first
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose effect is in the state
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)  # one block per cached segment
+    block_hashes: list[bytes] = field(default_factory=list)  # hash of each completed segment
+    seg_len: int = 0  # tokens in the online segment (< segment_len between steps)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    detok: object | None = None  # IncrementalDetokenizer
+    error: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the last sampled token left to compute (prompt, or recompute)."""
+        return self.num_uncomputed > 1 or not self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
