@@ -1,4 +1,4 @@
-"""Frozen, validated configuration dataclasses passed everywhere (one obvious place for settings)."""
+"""Frozen, validated configuration dataclasses passed everywhere (one place for settings)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from mcserve.engine.outputs import CompletionOutput, RequestOutput
 from mcserve.engine.runner import ModelRunner
 from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
 from mcserve.engine.scheduler import Scheduler
-from mcserve.engine.sequence import Sequence, Status
+from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
 from mcserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 from mcserve.models.native import MCForCausalLM

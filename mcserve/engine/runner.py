@@ -183,7 +183,7 @@ class ModelRunner:
                 if self.independent:
                     for k, t in pl.mem.items():
                         t[rows] = init[k]
-        for mc, sl, pl in zip(self.mems, self.cache.slot, layers, strict=True):
+        for sl, pl in zip(self.cache.slot, layers, strict=True):
             for k, t in pl.mem.items():
                 sl[f"mem.{k}"][slots] = t
             sl["seg_ksum"][slots] = pl.seg_ksum

@@ -189,9 +189,9 @@ class Sampler:
     """Batched next-token sampling. Stateless; one instance can serve every step.
 
     Processing order per row: repetition, frequency and presence penalties (from the row's
-    generated tokens) -> greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p ->
-    a multinomial draw with the row's generator (the global torch generator when it is None).
-    Generators must live on the logits' device.
+    generated tokens) -> greedy rows (temperature 0 or top_k = 1) take the argmax ->
+    temperature -> top-k -> top-p -> min-p -> a multinomial draw with the row's generator (the
+    global torch generator when it is None). Generators must live on the logits' device.
     """
 
     def __call__(
@@ -225,8 +225,9 @@ class Sampler:
         x = _apply_penalties(logits, params, output_token_ids, prompt_token_ids)
 
         sampled = torch.empty(b, dtype=torch.long, device=device)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        # top_k = 1 is greedy by definition: take the argmax (same tie-breaking, no draw)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy or p.top_k == 1]
+        random_rows = [i for i, p in enumerate(params) if not (p.greedy or p.top_k == 1)]
         if greedy_rows:
             if len(greedy_rows) == b:
                 sampled = x.argmax(dim=-1)
@@ -324,25 +325,38 @@ def _apply_penalties(
 def _apply_top_k_top_p(
     logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
 ) -> torch.Tensor:
-    """Mask (to -inf) what top-k, then top-p, drop. Ties keep the lower token id, like argmax."""
+    """Mask (to -inf) what top-k, then top-p (over the top-k renormalised), drop.
+
+    Only the rows that truncate are touched. When each of them has a top-k, only the largest k
+    candidates are ranked (``topk``) instead of sorting the whole vocabulary.
+    """
     r, v = logits.shape
     ks = [k if 0 < k < v else v for k in top_k]
-    use_k = any(k < v for k in ks)
-    use_p = any(p < 1.0 for p in top_p)
-    if not (use_k or use_p):
+    rows = [i for i in range(r) if ks[i] < v or top_p[i] < 1.0]
+    if not rows:
         return logits
     device = logits.device
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
-    if use_k:
-        k = torch.tensor(ks, device=device)
-        ranks = torch.arange(v, device=device)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], -math.inf)
-    if use_p:
-        p = _row_tensor(top_p, device, logits.dtype)[:, None]
-        probs = torch.softmax(sorted_logits, dim=-1)
+    sub = logits if len(rows) == r else logits[torch.tensor(rows, device=device)]
+    k_max = max(ks[i] for i in rows)
+    if k_max < v:
+        vals, idx = sub.topk(k_max, dim=-1)  # sorted, decreasing
+    else:
+        vals, idx = sub.sort(dim=-1, descending=True, stable=True)
+    if any(ks[i] < k_max for i in rows):
+        k = torch.tensor([ks[i] for i in rows], device=device)
+        ranks = torch.arange(vals.shape[1], device=device)
+        vals = vals.masked_fill(ranks[None, :] >= k[:, None], -math.inf)
+    if any(top_p[i] < 1.0 for i in rows):
+        p = _row_tensor([top_p[i] for i in rows], device, vals.dtype)[:, None]
+        probs = torch.softmax(vals, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0: the top token stays
-        sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+        vals = vals.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
+    out = torch.full_like(sub, -math.inf).scatter_(-1, idx, vals)
+    if len(rows) == r:
+        return out
+    full = logits.clone()
+    full[torch.tensor(rows, device=device)] = out
+    return full
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:

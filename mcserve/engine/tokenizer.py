@@ -209,9 +209,9 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of vocabulary entry ``token`` (byte-level: one latin-1 character), or None."""
         if self._backend is None:
-            b = token.encode("utf-8")
-            return b[0] if len(b) == 1 else None
+            return ord(token) if len(token) == 1 and ord(token) < 256 else None
         return self._backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:

@@ -153,8 +153,13 @@ class MCMixer(nn.Module):
         if self.conv is not None:
             full = torch.cat([conv_tail, qkv], dim=1)  # (B, w-1+T, 3HK)
             conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-            qkv = F.silu(F.conv1d(full.transpose(1, 2), self.conv.weight,
-                                  groups=qkv.shape[-1]).transpose(1, 2))
+            # depthwise causal conv as w shifted multiply-adds: torch's grouped conv1d is
+            # orders of magnitude slower on CPU for these shapes (and in float64)
+            w = self.conv.weight[:, 0]  # (C, w)
+            out = full[:, :T] * w[:, 0]
+            for j in range(1, w.shape[1]):
+                out = out + full[:, j:j + T] * w[:, j]
+            qkv = F.silu(out)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)

@@ -1,0 +1,182 @@
+"""Tests for the ``mcserve`` command line (``mcserve.cli``).
+
+A few cases run the real console entry point in a subprocess (exit codes, no traceback, the
+documented command); the rest call ``main(argv)`` in-process, which is faster.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcserve
+from mcserve.cli import main
+from mcserve.config import ModelConfig
+from mcserve.models.native import MCForCausalLM
+
+SMALL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, head_dim=16, segment_len=8)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mcserve.cli", *args], capture_output=True, text=True, timeout=300,
+    )
+
+
+def assert_one_line_error(proc_or_err: str, *phrases: str) -> None:
+    lines = proc_or_err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mcserve: error: ")
+    assert "Traceback" not in proc_or_err
+    for phrase in phrases:
+        assert phrase in lines[0]
+
+
+@pytest.fixture
+def word_checkpoint(tmp_path: Path) -> Path:
+    """A small random checkpoint with a word-level tokenizer.json."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = ["[UNK]", "hello", "world", "memory", "caching"] + [f"w{i}" for i in range(59)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    torch.manual_seed(0)
+    path = tmp_path / "ckpt"
+    MCForCausalLM(SMALL).save_pretrained(path, tokenizer_files={"tokenizer.json": tok.to_str()})
+    return path
+
+
+# --- subprocess: the real entry point ----------------------------------------------------------
+
+
+def test_version() -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"mcserve {mcserve.__version__}"
+
+
+def test_generate_random_model_documented_command() -> None:
+    proc = run_cli("generate", "--prompt", "Hello", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n") and len(proc.stdout) > 1
+    assert "tokens/s" in proc.stderr and "random untrained model" in proc.stderr
+    assert "8 new tokens" in proc.stderr
+
+
+def test_missing_model_dir_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = run_cli("generate", str(tmp_path / "missing"), "--prompt", "hi")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert_one_line_error(proc.stderr, "does not exist", "missing")
+
+
+def test_no_command_prints_help_and_exits_2() -> None:
+    proc = run_cli()
+    assert proc.returncode == 2
+    assert "generate" in proc.stderr
+
+
+# --- in-process ---------------------------------------------------------------------------------
+
+
+def test_random_generation_is_deterministic(capsys) -> None:
+    outs = []
+    for _ in range(2):
+        assert main(["generate", "--prompt", "Memory caching", "--max-tokens", "6"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+def test_random_model_matches_library(capsys) -> None:
+    """The CLI's random model is ModelConfig() built after torch.manual_seed(0), byte ids."""
+    assert main(["generate", "--prompt", "abc", "--max-tokens", "5"]) == 0
+    torch.manual_seed(0)
+    model = MCForCausalLM(ModelConfig()).eval()
+    new = model.generate(list(b"abc"), 5)
+    expected = bytes(new).decode("utf-8", errors="replace")
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_sampling_with_seed_is_reproducible(capsys) -> None:
+    args = ["generate", "--prompt", "x", "--max-tokens", "6", "--temperature", "1.0", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_checkpoint_with_tokenizer(word_checkpoint: Path, capsys) -> None:
+    assert main(["generate", str(word_checkpoint), "--prompt", "hello world",
+                 "--max-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(word_checkpoint / "tokenizer.json"))
+    model = MCForCausalLM.from_pretrained(word_checkpoint)
+    new = model.generate(tok.encode("hello world").ids, 4)
+    assert out == tok.decode(new) + "\n"
+    assert "2 prompt + 4 new tokens" in err
+
+
+def test_checkpoint_without_tokenizer_uses_bytes(tmp_path: Path, capsys) -> None:
+    torch.manual_seed(0)
+    model = MCForCausalLM(SMALL.replace(vocab_size=256))
+    model.save_pretrained(tmp_path)
+    assert main(["generate", str(tmp_path), "--prompt", "hey", "--max-tokens", "3"]) == 0
+    new = model.eval().generate(list(b"hey"), 3)
+    assert capsys.readouterr().out == bytes(new).decode("utf-8", errors="replace") + "\n"
+
+
+def test_prompt_outside_small_byte_vocab(tmp_path: Path, capsys) -> None:
+    MCForCausalLM(SMALL).save_pretrained(tmp_path)  # vocab 64, no tokenizer.json
+    assert main(["generate", str(tmp_path), "--prompt", "hello"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "vocab_size is 64", "no tokenizer.json")
+
+
+def test_empty_prompt_without_bos(capsys) -> None:
+    assert main(["generate", "--prompt", ""]) == 2
+    assert_one_line_error(capsys.readouterr().err, "prompt is empty")
+
+
+def test_bad_checkpoint_exits_2(word_checkpoint: Path, capsys) -> None:
+    cfg = json.loads((word_checkpoint / "config.json").read_text())
+    cfg["memory"] = "lstm"
+    (word_checkpoint / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", str(word_checkpoint)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "config.json", "memory='lstm'")
+
+
+def test_corrupt_weights_exits_2(word_checkpoint: Path, capsys) -> None:
+    (word_checkpoint / "model.safetensors").write_bytes(b"\x00" * 10)
+    assert main(["generate", str(word_checkpoint)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "model.safetensors")
+
+
+def test_bad_tokenizer_exits_2(word_checkpoint: Path, capsys) -> None:
+    (word_checkpoint / "tokenizer.json").write_text("{not json")
+    assert main(["generate", str(word_checkpoint)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "tokenizer.json")
+
+
+@pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--max-tokens", "x"],
+                                  ["--temperature", "-1"]])
+def test_bad_arguments_exit_2(args: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *args])
+    assert info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_import_is_light() -> None:
+    """``import mcserve`` and ``mcserve --version`` do not load torch."""
+    code = "import sys, mcserve, mcserve.cli; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr

@@ -1,0 +1,235 @@
+"""Engine invariants (DESIGN.md §2.2.3-4): the same greedy output alone, batched, after
+preemption, and after a prefix-cache hit; pools whole after every test."""
+
+import pytest
+import torch
+
+from mcserve.config import EngineConfig, ModelConfig
+from mcserve.engine.llm import LLM
+from mcserve.engine.llm_engine import LLMEngine
+from mcserve.engine.sampling import SamplingParams
+from mcserve.models.native import MCForCausalLM
+
+PROMPT_LENS = [1, 3, 4, 5, 9, 16, 23, 40]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def make_model(memory="linear", variant="grm", mode="checkpoint", seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, head_dim=8,
+                      memory=memory, mc_variant=variant, mc_mode=mode, segment_len=4,
+                      mc_top_k=1, inner_chunk=2, memory_expansion=2)
+    return MCForCausalLM(cfg).double()
+
+
+ENGINES = []
+
+
+def make_engine(model, **kw):
+    args = dict(max_num_seqs=8, num_state_blocks=128, max_num_batched_tokens=64,
+                dtype="float64", max_model_len=128)
+    args.update(kw)
+    eng = LLMEngine(EngineConfig(**args), model=model)
+    ENGINES.append(eng)
+    return eng
+
+
+@pytest.fixture(autouse=True)
+def pools_whole_after():
+    ENGINES.clear()
+    yield
+    for eng in ENGINES:
+        assert not eng.has_unfinished_requests()
+        assert eng.cache.is_whole(), "a block or slot leaked"
+
+
+def prompts(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def run(eng, ps, params=GREEDY):
+    return [o.outputs[0].token_ids for o in LLM(engine=eng).generate(ps, params)]
+
+
+COMBOS = [
+    pytest.param("linear", "grm", "checkpoint", id="linear-grm"),
+    pytest.param("linear", "ssc", "independent", id="linear-ssc-indep"),
+    pytest.param("linear", "post", "independent", id="linear-post-indep"),
+    pytest.param("swla", "residual", "checkpoint", id="swla-residual"),
+    pytest.param("dla", "soup", "checkpoint", id="dla-soup"),
+    pytest.param("titans", "grm", "independent", id="titans-grm-indep"),
+    pytest.param("linear", "none", "checkpoint", id="linear-none"),
+]
+
+
+@pytest.mark.parametrize("memory,variant,mode", COMBOS)
+def test_greedy_same_alone_batched_preempted_cached(memory, variant, mode):
+    model = make_model(memory, variant, mode)
+    ps = prompts()
+    alone = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    # one engine, all prompts at once (ragged decode batch)
+    eng = make_engine(model)
+    assert run(eng, ps) == alone
+    # second run: prompts' complete segments come from the prefix cache
+    hits0 = eng.stats()["prefix_cache_hits"]
+    assert run(eng, ps) == alone
+    if variant != "none":
+        assert eng.stats()["prefix_cache_hits"] > hits0
+    # a pool so small that sequences are preempted and recomputed
+    small = make_engine(model, num_state_blocks=14, max_num_batched_tokens=16)
+    assert run(small, ps) == alone
+    if variant != "none":
+        assert small.stats()["num_preemptions"] > 0
+    # the same without prefix caching (recompute from scratch)
+    plain = make_engine(model, num_state_blocks=14, enable_prefix_caching=False)
+    assert run(plain, ps) == alone
+    # one sequence slot at a time
+    serial = make_engine(model, max_num_seqs=1)
+    assert run(serial, ps) == alone
+
+
+def test_chunked_prefill_aligned_and_budgeted():
+    model = make_model()
+    eng = make_engine(model, max_num_batched_tokens=8)
+    p = prompts()[-1]
+    eng.add_request("a", None, GREEDY, prompt_token_ids=p)
+    seen = []
+    while eng.has_unfinished_requests():
+        before = eng.scheduler.running[0].num_computed_tokens if eng.scheduler.running else 0
+        eng.step()
+        if eng.scheduler.running:
+            now = eng.scheduler.running[0].num_computed_tokens
+            seen.append((before, now))
+    prefill_steps = [(a, b) for a, b in seen if b < len(p)]
+    assert prefill_steps and all(b - a <= 8 and b % 4 == 0 for a, b in prefill_steps)
+
+
+def test_abort_frees_everything():
+    model = make_model()
+    eng = make_engine(model)
+    for i, p in enumerate(prompts()):
+        eng.add_request(str(i), None, SamplingParams(max_tokens=50, ignore_eos=True),
+                        prompt_token_ids=p)
+    eng.step()
+    eng.step()
+    assert eng.stats()["state_blocks_used"] > 0
+    for i in range(len(PROMPT_LENS)):
+        eng.abort_request(str(i))
+    eng.abort_request("0")  # idempotent
+    assert eng.cache.is_whole()
+
+
+def test_exception_in_one_request_fails_only_it(monkeypatch):
+    model = make_model()
+    eng = make_engine(model)
+    ps = prompts()
+    want = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    original = eng._append
+
+    def flaky(seq, tok, lp, top):
+        if seq.request_id == "3" and len(seq.output_ids) == 4:
+            raise RuntimeError("boom")
+        return original(seq, tok, lp, top)
+
+    monkeypatch.setattr(eng, "_append", flaky)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["3"].outputs[0].finish_reason == "error" and "boom" in done["3"].error
+    for i in range(len(ps)):
+        if i != 3:
+            assert done[str(i)].outputs[0].token_ids == want[i]
+
+
+def test_sampling_seeded_topk1_logprobs():
+    model = make_model()
+    eng = make_engine(model)
+    llm = LLM(engine=eng)
+    ps = prompts()[:4]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True, logprobs=2)
+    a = llm.generate(ps, seeded)
+    b = llm.generate(ps, seeded)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    topk1 = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True)
+    assert run(eng, ps, topk1) == run(eng, ps, SamplingParams(max_tokens=8, temperature=0,
+                                                                ignore_eos=True))
+    for o in a:
+        c = o.outputs[0]
+        picked = [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert sum(picked) == pytest.approx(c.cumulative_logprob, abs=1e-6)
+        assert all(len(lp) >= 2 for lp in c.logprobs)
+
+
+def test_n_completions_and_prompt_logprobs():
+    model = make_model()
+    eng = make_engine(model)
+    p = prompts()[5]
+    out = LLM(engine=eng).generate(
+        [p], SamplingParams(n=3, max_tokens=5, seed=1, ignore_eos=True, prompt_logprobs=1))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+    # prompt logprobs equal log_softmax of a plain forward
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([p]))
+    lp = torch.log_softmax(logits[0].float(), -1)
+    for i in range(1, len(p)):
+        assert out.prompt_logprobs[i][p[i]] == pytest.approx(lp[i - 1, p[i]].item(), abs=1e-5)
+
+
+def test_stop_string_split_across_tokens():
+    model = make_model()
+    eng = make_engine(model)
+    p = prompts()[4]
+    free = run(eng, [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    text = eng.tokenizer.decode(free)
+    # byte-level tokenizer: a 2-character stop string spans two tokens
+    stop = text[3:5]
+    out = LLM(engine=eng).generate([p], SamplingParams(max_tokens=12, temperature=0,
+                                                       ignore_eos=True, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(n=0), "n"),
+])
+def test_bad_sampling_params(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests():
+    model = make_model()
+    eng = make_engine(model, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request("long", None, GREEDY, prompt_token_ids=[1] * 40)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("e", None, GREEDY, prompt_token_ids=[])
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request("v", None, GREEDY, prompt_token_ids=[1, 999])
+    eng.add_request("dup", None, GREEDY, prompt_token_ids=[1, 2])
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("dup", None, GREEDY, prompt_token_ids=[1, 2])
+    eng.abort_request("dup")
+    with pytest.raises(ValueError, match="mc_variant"):
+        EngineConfig(mc_variant="bogus")
+    with pytest.raises(ValueError, match="num_state_blocks"):
+        EngineConfig(num_state_blocks=0)
+
+
+def test_pool_exhausted_allocation_returns_none():
+    model = make_model()
+    eng = make_engine(model, num_state_blocks=4)
+    got = eng.cache.allocate(4)
+    assert got is not None and eng.cache.allocate(1) is None
+    eng.cache.free(got)
