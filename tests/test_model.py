@@ -100,3 +100,20 @@ def test_config_rejects_bad_values():
         tiny("linear", "loglinear", "independent")
     with pytest.raises(ValueError, match="inner_chunk"):
         tiny("dla", "grm", "checkpoint", segment_len=6, inner_chunk=4)
+
+
+@pytest.mark.parametrize("variant", ["grm", "loglinear"])
+def test_two_continuations_of_one_state(variant):
+    # cached blocks are stored append-only and shared between states: a second continuation of
+    # the same prefix must not see (or overwrite) the first continuation's blocks
+    torch.manual_seed(0)
+    model = MCForCausalLM(tiny("linear", variant, "checkpoint")).double()
+    prefix, a, b = (torch.randint(0, 40, (1, n)) for n in (6, 9, 9))
+    with torch.no_grad():
+        _, state = model(prefix)
+        out_a, _ = model(a, state)
+        out_b, _ = model(b, state)
+        again_a, _ = model(a, state)
+        fresh_b = model(torch.cat([prefix, b], 1))[0][:, 6:]
+    assert torch.allclose(out_b, fresh_b, atol=1e-12)
+    assert torch.allclose(out_a, again_a, atol=1e-12)

@@ -38,6 +38,31 @@ def log_boundaries(n: int) -> list[int]:
     return out[:-1]
 
 
+class _Stack:
+    """Preallocated storage behind ``MCLayerState.cached``: appends are amortised O(1).
+
+    States share it append-only: a state that sees N blocks may write block N in place only if
+    nobody has written past N yet (``filled == N``); otherwise it copies (the other writer was a
+    different continuation of the same prefix, e.g. a reused state).
+    """
+
+    def __init__(self, cached: State, ksum: Tensor, capacity: int):
+        n = ksum.shape[1]
+        self.t = {k: _grow(t, capacity) for k, t in cached.items()}
+        self.ksum = _grow(ksum, capacity)
+        self.filled = n
+
+    @property
+    def capacity(self) -> int:
+        return self.ksum.shape[1]
+
+
+def _grow(t: Tensor, capacity: int) -> Tensor:
+    out = t.new_empty((t.shape[0], capacity) + t.shape[2:])
+    out[:, :t.shape[1]] = t
+    return out
+
+
 @dataclass
 class MCLayerState:
     """Everything one layer needs to continue a batch of sequences (all at position ``pos``)."""
@@ -52,6 +77,30 @@ class MCLayerState:
     n_segments: int = 0  # cached segments so far (== N unless collapsed into one summed block)
     pos: int = 0  # tokens consumed
     v_dim: int = 0  # value dim, to rebuild the initial memory in independent mode
+    _stack: _Stack | None = field(default=None, repr=False, compare=False)
+
+    def append(self, block: State, ksum: Tensor, length: int, pos: int) -> None:
+        """Cache one more segment: block tensors ``(B, ...)``, its key sum ``(B, H, K)``."""
+        n = self.num_cached
+        st = self._stack
+        if st is None or st.filled != n or n == st.capacity or (
+                n and st.ksum.data_ptr() != self.cached_ksum.data_ptr()):
+            st = _Stack(self.cached, self.cached_ksum, max(8, 2 * (n + 1)))
+        for k, t in block.items():
+            st.t[k][:, n] = t
+        st.ksum[:, n] = ksum
+        st.filled = n + 1
+        self._stack = st
+        self.cached = {k: t[:, :n + 1] for k, t in st.t.items()}
+        self.cached_ksum = st.ksum[:, :n + 1]
+        self.cached_len.append(length)
+        self.cached_pos.append(pos)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached segments (loglinear merges)."""
+        self.cached = {k: t[:, :n] for k, t in self.cached.items()}
+        self.cached_ksum = self.cached_ksum[:, :n]
+        del self.cached_len[n:], self.cached_pos[n:]
 
     @property
     def num_cached(self) -> int:
@@ -62,7 +111,7 @@ class MCLayerState:
         return replace(
             self, mem={k: fn(t) for k, t in self.mem.items()}, seg_ksum=fn(self.seg_ksum),
             cached={k: fn(t) for k, t in self.cached.items()}, cached_ksum=fn(self.cached_ksum),
-            cached_len=list(self.cached_len), cached_pos=list(self.cached_pos),
+            cached_len=list(self.cached_len), cached_pos=list(self.cached_pos), _stack=None,
         )
 
 
@@ -236,14 +285,11 @@ class MCMemory:
     # ------------------------------------------------------------------ segments
     def push(self, st: MCLayerState, init: dict[str, Tensor] | None) -> None:
         """The online segment is complete: cache its memory, start a new segment."""
-        block = {key: st.mem[key][:, None] for key in self.family.readout_keys}
+        block = {key: st.mem[key] for key in self.family.readout_keys}
         if self.collapsed and st.num_cached:
-            st.cached = {key: st.cached[key] + block[key] for key in block}
+            st.cached = {key: st.cached[key] + block[key][:, None] for key in block}
         else:
-            st.cached = {key: torch.cat([st.cached[key], block[key]], 1) for key in block}
-            st.cached_ksum = torch.cat([st.cached_ksum, st.seg_ksum[:, None]], 1)
-            st.cached_len.append(st.seg_len)
-            st.cached_pos.append(st.pos)
+            st.append(block, st.seg_ksum, st.seg_len, st.pos)
         st.n_segments += 1
         st.seg_ksum = torch.zeros_like(st.seg_ksum)
         st.seg_len = 0
@@ -264,20 +310,15 @@ class MCMemory:
             return
         keep = set(log_boundaries(n + 1))
         if n in keep:  # n even: the state at n becomes a checkpoint, nothing merges
-            st.cached = {key: torch.cat([st.cached[key], st.mem[key][:, None]], 1)
-                         for key in self.family.readout_keys}
-            st.cached_ksum = torch.cat([st.cached_ksum, st.seg_ksum[:, None]], 1)
-            st.cached_len.append(st.seg_len)
-            st.cached_pos.append(n)
+            st.append({key: st.mem[key] for key in self.family.readout_keys}, st.seg_ksum,
+                      st.seg_len, n)
             st.seg_ksum = torch.zeros_like(st.seg_ksum)
             st.seg_len = 0
             return
         n_keep = sum(1 for p in st.cached_pos if p in keep)  # kept ones are a prefix of the stack
         st.seg_ksum = st.seg_ksum + st.cached_ksum[:, n_keep:].sum(1)
         st.seg_len += sum(st.cached_len[n_keep:])
-        st.cached = {key: t[:, :n_keep] for key, t in st.cached.items()}
-        st.cached_ksum = st.cached_ksum[:, :n_keep]
-        del st.cached_len[n_keep:], st.cached_pos[n_keep:]
+        st.truncate(n_keep)
 
     # ------------------------------------------------------------------ one piece
     def _piece(self, st: MCLayerState, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
