@@ -233,3 +233,33 @@ def test_pool_exhausted_allocation_returns_none():
     got = eng.cache.allocate(4)
     assert got is not None and eng.cache.allocate(1) is None
     eng.cache.free(got)
+
+
+@pytest.mark.parametrize("memory,variant", [("linear", "grm"), ("dla", "residual")])
+def test_swap_to_host_tier_gives_same_output(memory, variant):
+    model = make_model(memory, variant)
+    ps = prompts()
+    alone = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    eng = make_engine(model, num_state_blocks=14, max_num_batched_tokens=16,
+                      host_state_blocks=64, enable_prefix_caching=False)
+    assert run(eng, ps) == alone
+    st = eng.stats()
+    assert st["num_swaps"] > 0 and st["host_bytes_moved"] > 0
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "independent"])
+def test_ssc_more_segments_than_device_pool(mode):
+    # a 60-token prompt has 15 segments of 4; the device pool holds 6 blocks: the rest live on
+    # the host tier, the router reads their key sums and fetches only what it selects
+    model = make_model("linear", "ssc", mode)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (60, 45, 7)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    full = make_engine(model, num_state_blocks=128)
+    want = run(full, ps, params)
+    assert want == [model.generate(p, 12) for p in ps]
+    small = make_engine(model, num_state_blocks=6, host_state_blocks=64,
+                        max_num_batched_tokens=16)
+    assert run(small, ps, params) == want
+    st = small.stats()
+    assert st["host_blocks_offloaded"] > 0 and st["host_blocks_fetched"] > 0

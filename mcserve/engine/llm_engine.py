@@ -90,12 +90,16 @@ class LLMEngine:
             raise ValueError("mc_variant='loglinear' is not supported by the engine yet "
                              "(its segmentation changes every token); use the model directly")
         salt = json.dumps(mcfg.to_dict(), sort_keys=True).encode()
+        ssc = mcfg.mc_variant == "ssc"
+        # staging rows for host blocks the ssc router selects: every row, head and pick at once
+        staging = config.max_num_seqs * mcfg.mc_top_k * mcfg.n_heads if ssc else 0
         self.cache = StateCache(model, config.num_state_blocks, config.max_num_seqs,
-                                config.enable_prefix_caching, salt=salt)
+                                config.enable_prefix_caching, salt=salt,
+                                host_blocks=config.host_state_blocks, staging_blocks=staging)
         self.scheduler = Scheduler(
             self.cache, segment_len=mcfg.segment_len, segmented=mcfg.mc_variant != "none",
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens)
+            max_num_batched_tokens=config.max_num_batched_tokens, offload=ssc)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
@@ -145,9 +149,11 @@ class LLMEngine:
             raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens "
                              f"exceeds max_model_len={L}")
         C = self.model_config.segment_len
-        if self.scheduler.segmented and min(total, L) // C > self.cache.num_blocks:
+        room = self.cache.num_blocks + (self.cache.num_host_blocks if self.scheduler.offload
+                                        else 0)
+        if self.scheduler.segmented and min(total, L) // C > room:
             raise ValueError(f"the request needs up to {min(total, L) // C} state blocks but the "
-                             f"pool holds {self.cache.num_blocks} (num_state_blocks)")
+                             f"pools hold {room} (num_state_blocks, host_state_blocks for ssc)")
         req = _Request(request_id, prompt, ids, params)
         arrival = next(self._arrival)
         for i in range(params.n):
@@ -303,6 +309,12 @@ class LLMEngine:
             "prefix_cache_queries": c.prefix_queries,
             "prefix_cache_hits": c.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps": self.scheduler.num_swaps,
+            "host_blocks_used": c.num_host_blocks - c.num_free_host,
+            "host_blocks_total": c.num_host_blocks,
+            "host_bytes_moved": c.bytes_moved,
+            "host_blocks_offloaded": c.num_offloaded,
+            "host_blocks_fetched": c.num_fetched,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }

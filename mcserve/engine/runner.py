@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -49,7 +51,8 @@ class ModelRunner:
         N = len(table)
         idx = torch.tensor(table, dtype=torch.long, device=self.model.device)
         layers = []
-        for mc, sl, bl in zip(self.mems, self.cache.slot, self.cache.block, strict=True):
+        for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
+                                              strict=True)):
             keys = mc.family.readout_keys
             mem = {name[4:]: t[s:s + 1].clone() for name, t in sl.items()
                    if name.startswith("mem.")}
@@ -58,7 +61,7 @@ class ModelRunner:
                 cached = {k: sl[f"csum.{k}"][s:s + 1, None][:, :n].clone() for k in keys}
                 ksum = bl["ksum"].new_zeros((1, n) + bl["ksum"].shape[1:])
             else:
-                cached = {k: bl[f"mem.{k}"][idx][None] for k in keys}
+                cached = {k: self.cache.read_block(li, f"mem.{k}", table)[None] for k in keys}
                 ksum = bl["ksum"][idx][None]
             st = MCLayerState(
                 mem=mem, seg_ksum=sl["seg_ksum"][s:s + 1].clone(), seg_len=seq.seg_len,
@@ -151,7 +154,9 @@ class ModelRunner:
         seg_len = torch.tensor([s.seg_len for s in seqs], dtype=torch.long, device=dev)
         n_seg = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long, device=dev)
         layers = []
-        for mc, sl, bl in zip(self.mems, self.cache.slot, self.cache.block, strict=True):
+        offloaded = bool((table >= self.cache.host_base).any())
+        for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
+                                              strict=True)):
             keys = mc.family.readout_keys
             layers.append(PagedLayer(
                 mem={n[4:]: t[slots] for n, t in sl.items() if n.startswith("mem.")},
@@ -159,6 +164,7 @@ class ModelRunner:
                 seg_ksum=sl["seg_ksum"][slots], seg_len=seg_len, n_seg=n_seg,
                 csum={k: sl[f"csum.{k}"][slots] for k in keys} if mc.collapsed else None,
                 table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
+                fetch=partial(self.cache.fetch, li) if offloaded else None,
             ))
         tokens = torch.tensor([[s.all_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]

@@ -40,8 +40,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: StateCache, *, segment_len: int, segmented: bool,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, offload: bool = False):
         self.cache = cache
+        # ssc with a host tier: blocks of running sequences move to the host when the device
+        # pool is full (the router reads key sums; selected blocks are fetched per token)
+        self.offload = offload and cache.num_host_blocks > 0
         self.C = segment_len
         self.segmented = segmented  # False for variant "none": no checkpoints at all
         self.max_num_seqs = max_num_seqs
@@ -49,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -67,16 +71,24 @@ class Scheduler:
         if seq.block_table:
             self.cache.free(seq.block_table)
         seq.block_table = []
+        seq.saved_slot = None
         if seq.slot is not None:
             self.cache.free_slot(seq.slot)
             seq.slot = None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap to the host tier when it has room, else free everything and recompute later."""
         self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.seg_len = 0
-        seq.block_hashes = []
+        swapped = self.cache.swap_out(seq.block_table, seq.slot) if seq.slot is not None else None
+        if swapped is not None:
+            seq.block_table, seq.saved_slot = swapped
+            seq.slot = None
+            self.num_swaps += 1
+        else:
+            self._release(seq)
+            seq.num_computed_tokens = 0
+            seq.seg_len = 0
+            seq.block_hashes = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -91,14 +103,24 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute now: all that is left, or the longest budget-fitting piece that
-        ends on a segment boundary."""
+        ends on a segment boundary (and completes at most half the device pool's blocks)."""
         left = seq.num_uncomputed
+        if self.segmented:
+            budget = min(budget, max(1, self.cache.num_blocks // 2) * self.C)
         if left <= budget:
             return left
         if not self.segmented:
             return budget
         p = seq.num_computed_tokens
         return max(0, (p + budget) // self.C * self.C - p)
+
+    def _offload_for(self, seq: Sequence) -> bool:
+        """Free a device block by moving one of ``seq``'s own (else the oldest running
+        sequence's) unshared blocks to the host tier."""
+        for s in [seq] + sorted(self.running, key=lambda x: x.arrival):
+            if self.cache.offload_one(s.block_table) is not None:
+                return True
+        return False
 
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the complete segments that may be reused: at least one token must remain to
@@ -114,6 +136,28 @@ class Scheduler:
             out.append(parent)
         return out
 
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Admit a swapped-out sequence; returns the tokens scheduled (0: it must wait)."""
+        n = self._chunk(seq, budget)
+        need = self._blocks_needed(seq, n)
+        n_host = 0 if self.offload else sum(
+            b >= self.cache.host_base for b in seq.block_table)
+        if n <= 0 or not self.cache.can_allocate(need + n_host):
+            return 0
+        slot = self.cache.allocate_slot()
+        if slot is None:
+            return 0
+        seq.block_table = self.cache.swap_in(seq.block_table, seq.saved_slot, slot,
+                                             keep_on_host=self.offload)
+        seq.slot, seq.saved_slot = slot, None
+        blocks = self.cache.allocate(need)
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        item = ScheduledSeq(seq, n, blocks)
+        (out.prefills if seq.is_prefill else out.decodes).append(item)
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.budget
@@ -125,6 +169,8 @@ class Scheduler:
                 continue
             need = self._blocks_needed(seq, n)
             while not self.cache.can_allocate(need):
+                if self.offload and self._offload_for(seq):
+                    continue
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim, out)
                 if victim is seq:
@@ -137,6 +183,12 @@ class Scheduler:
             (out.prefills if seq.is_prefill else out.decodes).append(item)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.saved_slot is not None:  # swapped out earlier: bring it back as it was
+                n = self._swap_in(seq, budget, out)
+                if not n:
+                    break
+                budget -= n
+                continue
             slot = self.cache.allocate_slot()
             if slot is None:
                 break

@@ -33,6 +33,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose effect is in the state
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     slot: int | None = None
+    saved_slot: list | None = None  # the slot's contents while swapped out to the host tier
     block_table: list[int] = field(default_factory=list)  # one block per cached segment
     block_hashes: list[bytes] = field(default_factory=list)  # hash of each completed segment
     seg_len: int = 0  # tokens in the online segment (< segment_len between steps)

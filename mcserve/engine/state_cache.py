@@ -12,6 +12,13 @@ Blocks are reference counted and, with prefix caching, keyed by a chained hash o
 (parent hash, the segment's token ids, the model + MC configuration), as vLLM keys KV blocks.
 A block whose last owner left stays cached (evictable, least recently used first) until its
 memory is needed. ``allocate`` returns None when the pool is exhausted; it never raises.
+
+**Host tier** (``host_blocks`` > 0): a second pool in host memory (pinned when the device is
+CUDA). Preempted sequences are swapped there instead of recomputed. With ``ssc``, a running
+sequence's blocks may also be *offloaded* there when the device pool is full: block ids at or
+above ``host_base`` name host blocks, their key sums stay on the device (the router needs only
+those), and the blocks a token selects are fetched into a per-layer staging area of the device
+pool (LRU), so a sequence can have more cached segments than the device pool holds.
 """
 
 from __future__ import annotations
@@ -35,8 +42,12 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: bytes) -> bytes
 
 class StateCache:
     def __init__(self, model: MCForCausalLM, num_blocks: int, num_slots: int,
-                 enable_prefix_caching: bool = True, salt: bytes = b""):
+                 enable_prefix_caching: bool = True, salt: bytes = b"", host_blocks: int = 0,
+                 staging_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_host_blocks = host_blocks
+        self.num_staging = staging_blocks if host_blocks else 0
+        self.host_base = num_blocks + self.num_staging  # first id that names a host block
         self.num_slots = num_slots
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
@@ -44,6 +55,7 @@ class StateCache:
         mems = [blk.mixer.memory for blk in model.layers]
         self.slot: list[dict[str, Tensor]] = []
         self.block: list[dict[str, Tensor]] = []
+        self.host: list[dict[str, Tensor]] = []
         for ls, mc in zip(template.layers, mems, strict=True):
             entries = {f"mem.{key}": t[0] for key, t in ls.mc.mem.items()}
             entries["seg_ksum"] = ls.mc.seg_ksum[0]
@@ -53,10 +65,16 @@ class StateCache:
                 entries.update({f"csum.{key}": ls.mc.mem[key][0] for key in mc.family.readout_keys})
             self.slot.append({name: t.new_zeros((num_slots,) + t.shape)
                               for name, t in entries.items()})
-            block = {name: t.new_zeros((num_blocks,) + t.shape) for name, t in entries.items()
-                     if name != "seg_ksum"}
-            block["ksum"] = ls.mc.seg_ksum.new_zeros((num_blocks,) + ls.mc.seg_ksum.shape[1:])
+            block = {name: t.new_zeros((self.host_base,) + t.shape)
+                     for name, t in entries.items() if name != "seg_ksum"}
+            # key sums of device AND host blocks live on the device: the ssc router reads them
+            block["ksum"] = ls.mc.seg_ksum.new_zeros((self.host_base + host_blocks,)
+                                                     + ls.mc.seg_ksum.shape[1:])
             self.block.append(block)
+            pin = torch.device(block["ksum"].device).type == "cuda"
+            self.host.append({name: torch.zeros((host_blocks,) + t.shape[1:], dtype=t.dtype,
+                                                pin_memory=pin)
+                              for name, t in block.items() if name != "ksum"})
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
         self.ref = [0] * num_blocks
@@ -65,6 +83,12 @@ class StateCache:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, LRU first
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
+        self.free_host: list[int] = list(range(host_blocks - 1, -1, -1))
+        # per layer: host block id -> staging slot on the device, least recently used first
+        self.staged: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.block]
+        self.bytes_moved = 0  # host <-> device traffic (swaps, offloads, fetches)
+        self.num_offloaded = 0  # blocks of running ssc sequences moved to the host tier
+        self.num_fetched = 0  # (layer, host block) copies into staging for the ssc router
         self.bytes_per_block = sum(t[0].numel() * t.element_size()
                                    for layer in self.block for t in layer.values())
         self.bytes_per_slot = sum(t[0].numel() * t.element_size()
@@ -79,6 +103,10 @@ class StateCache:
         self.free_slots.append(slot)
 
     # ------------------------------------------------------------------ blocks
+    @property
+    def num_free_host(self) -> int:
+        return len(self.free_host)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks) + len(self.evictable)
@@ -107,6 +135,9 @@ class StateCache:
 
     def free(self, block_ids: list[int]) -> None:
         for bid in block_ids:
+            if bid >= self.host_base:
+                self._free_host(bid - self.host_base)
+                continue
             assert self.ref[bid] > 0, f"block {bid} freed twice"
             self.ref[bid] -= 1
             if self.ref[bid] == 0:
@@ -143,7 +174,137 @@ class StateCache:
     def is_whole(self) -> bool:
         """No block referenced and no slot taken: what every finished workload must leave."""
         return (len(self.free_slots) == self.num_slots and not any(self.ref)
-                and self.num_free_blocks == self.num_blocks)
+                and self.num_free_blocks == self.num_blocks
+                and len(self.free_host) == self.num_host_blocks)
+
+    # ------------------------------------------------------------------ host tier
+    def _free_host(self, h: int) -> None:
+        assert h not in self.free_host, f"host block {h} freed twice"
+        for staged in self.staged:
+            staged.pop(h, None)
+        self.free_host.append(h)
+
+    def _copy_block(self, dst: list[dict[str, Tensor]], di: int,
+                    src: list[dict[str, Tensor]], si: int) -> None:
+        for d, s in zip(dst, src, strict=True):
+            for name, t in d.items():
+                if name != "ksum":
+                    t[di].copy_(s[name][si], non_blocking=True)
+        self.bytes_moved += self.bytes_per_block
+
+    def to_host(self, bid: int) -> int | None:
+        """Copy device block ``bid`` to a new host block (key sums mirrored); returns its id
+        in the unified numbering (>= host_base), or None when the host tier is full. The
+        device block keeps its reference; the caller frees it."""
+        if not self.free_host:
+            return None
+        h = self.free_host.pop()
+        self._copy_block(self.host, h, self.block, bid)
+        for layer in self.block:
+            layer["ksum"][self.host_base + h] = layer["ksum"][bid]
+        return self.host_base + h
+
+    def to_device(self, hid: int) -> int | None:
+        """Bring host block ``hid`` back into a newly allocated device block (frees the host
+        block); None when the device pool is full."""
+        got = self.allocate(1)
+        if got is None:
+            return None
+        bid, h = got[0], hid - self.host_base
+        self._copy_block(self.block, bid, self.host, h)
+        for layer in self.block:
+            layer["ksum"][bid] = layer["ksum"][hid]
+        self._free_host(h)
+        return bid
+
+    def fetch(self, layer: int, ids: Tensor) -> Tensor:
+        """Map unified block ids to device rows for ``layer``: host blocks are copied into the
+        layer's staging area (LRU cached there). Used by the ssc router's selected blocks."""
+        host = ids >= self.host_base
+        if not bool(host.any()):
+            return ids
+        staged, dst, src = self.staged[layer], self.block[layer], self.host[layer]
+        wanted = (ids[host] - self.host_base).unique().tolist()
+        if len(wanted) > self.num_staging:
+            raise RuntimeError(f"{len(wanted)} host blocks selected at once but only "
+                               f"{self.num_staging} staging blocks")
+        for h in wanted:  # hits first, so that this call's misses never evict them
+            if h in staged:
+                staged.move_to_end(h)
+        free_rows = [r for r in range(self.num_staging) if r not in set(staged.values())]
+        for h in wanted:
+            if h in staged:
+                continue
+            row = free_rows.pop() if free_rows else staged.popitem(last=False)[1]
+            for name, t in dst.items():
+                if name != "ksum":
+                    t[self.num_blocks + row].copy_(src[name][h], non_blocking=True)
+            self.bytes_moved += self.bytes_per_block // len(self.block)
+            self.num_fetched += 1
+            staged[h] = row
+        lut = torch.full((self.num_host_blocks,), -1, dtype=torch.long)
+        for h, row in staged.items():
+            lut[h] = self.num_blocks + row
+        out = ids.clone()
+        out[host] = lut.to(ids.device)[ids[host] - self.host_base]
+        return out
+
+    def read_block(self, layer: int, name: str, ids: list[int]) -> Tensor:
+        """Rows of one layer's block tensor for unified ids (device or host), as a device
+        tensor (host rows are copied: prefill of an offloaded sequence reads all its blocks)."""
+        dev = self.block[layer][name]
+        if not any(i >= self.host_base for i in ids):
+            return dev[torch.tensor(ids, dtype=torch.long, device=dev.device)]
+        rows = []
+        for i in ids:
+            if i >= self.host_base:
+                rows.append(self.host[layer][name][i - self.host_base].to(dev.device))
+                self.bytes_moved += rows[-1].numel() * rows[-1].element_size()
+            else:
+                rows.append(dev[i])
+        return torch.stack(rows) if rows else dev[:0]
+
+    def swap_out(self, table: list[int], slot: int) -> tuple[list[int], list] | None:
+        """Move a preempted sequence to the host tier: its device blocks are copied to host
+        blocks (and released), its slot saved. None (nothing done) when the host tier is full."""
+        dev = [b for b in table if b < self.host_base]
+        if len(dev) > len(self.free_host):
+            return None
+        new_table = [self.to_host(b) if b < self.host_base else b for b in table]
+        self.free(dev)
+        saved = [{name: t[slot].to("cpu", copy=True) for name, t in layer.items()}
+                 for layer in self.slot]
+        self.bytes_moved += self.bytes_per_slot
+        self.free_slot(slot)
+        return new_table, saved
+
+    def swap_in(self, table: list[int], saved: list, slot: int, keep_on_host: bool
+                ) -> list[int] | None:
+        """Restore a swapped sequence into ``slot``; its host blocks come back to the device
+        unless ``keep_on_host`` (ssc fetches what it selects). None when blocks are short."""
+        n_host = sum(b >= self.host_base for b in table)
+        if not keep_on_host and not self.can_allocate(n_host):
+            return None
+        for layer, data in zip(self.slot, saved, strict=True):
+            for name, t in layer.items():
+                t[slot].copy_(data[name])
+        self.bytes_moved += self.bytes_per_slot
+        if keep_on_host:
+            return list(table)
+        return [self.to_device(b) if b >= self.host_base else b for b in table]
+
+    def offload_one(self, table: list[int]) -> int | None:
+        """ssc: move the oldest device block of ``table`` that nobody shares to the host tier,
+        freeing a device block. Returns its index in the table, or None."""
+        if not self.free_host:
+            return None
+        for i, b in enumerate(table):
+            if b < self.host_base and self.ref[b] == 1:
+                table[i] = self.to_host(b)
+                self.free([b])
+                self.num_offloaded += 1
+                return i
+        return None
 
     def reset_prefix_cache(self) -> None:
         for bid in list(self.evictable):
@@ -177,11 +338,3 @@ class StateCache:
                     t[slot].copy_(init[name[4:]])
                 else:
                     t[slot].zero_()
-
-
-def stack_init(mem: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A (1, ...) family state → per-row template (drops the batch dim)."""
-    return {key: t[0] for key, t in mem.items()}
-
-
-__all__ = ["StateCache", "block_hash", "stack_init", "torch"]

@@ -15,6 +15,7 @@ No per-token Python loop except for ``loglinear``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -133,6 +134,9 @@ class PagedLayer:
     table: Tensor  # (B, N) long block ids, -1 = no block
     pool: State  # readout key -> (num_blocks, H, ...) this layer's slice of the block pool
     ksum_pool: Tensor  # (num_blocks, H, K) key sums of the blocks
+    # maps block ids that name host-tier blocks to device rows (fetching them); None when
+    # every block in ``table`` is on the device
+    fetch: Callable[[Tensor], Tensor] | None = None
 
 
 class MCMemory:
@@ -236,9 +240,13 @@ class MCMemory:
                 idx = self._select(r_c)  # (B, 1, k, H)
                 r_c = r_c.gather(2, idx)
                 ids = tb.gather(1, idx[:, 0].flatten(1)).view(B, -1, H)  # (B, k, H) block ids
+                if pl.fetch is not None:  # bring the selected host-tier blocks to the device
+                    ids = pl.fetch(ids)
                 h = torch.arange(H, device=q.device)[None, None, :]
                 cached = {key: t[ids, h] for key, t in pl.pool.items()}  # only selected blocks
             else:
+                if pl.fetch is not None:
+                    tb = pl.fetch(tb)
                 cached = {key: t[tb] for key, t in pl.pool.items()}
             gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), dim=2)
             w_on, w_c = gamma[:, :, -1], gamma[:, :, :-1]
