@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sampling temperature; 0 is greedy (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(func=cmd_generate)
+
+    from mcserve.server.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

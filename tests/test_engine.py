@@ -263,3 +263,24 @@ def test_ssc_more_segments_than_device_pool(mode):
     assert run(small, ps, params) == want
     st = small.stats()
     assert st["host_blocks_offloaded"] > 0 and st["host_blocks_fetched"] > 0
+
+
+def test_sampler_failure_in_one_row_fails_only_that_request():
+    # a repetition penalty so small that the row's probabilities overflow: only that request
+    # fails, the rest of the batch samples normally
+    model = make_model()
+    eng = make_engine(model)
+    ps = prompts()[:3]
+    want = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    bad = SamplingParams(max_tokens=10, temperature=1.0, repetition_penalty=5e-324,
+                         ignore_eos=True)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    eng.add_request("bad", None, bad, prompt_token_ids=ps[0] + ps[0])
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert [done[str(i)].outputs[0].token_ids for i in range(3)] == want

@@ -208,16 +208,22 @@ class LLMEngine:
                     self._fail(self.requests[item.seq.request_id], e)
         to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
         if to_sample:
-            seqs = [s for s, _ in to_sample]
-            out = self.sampler(
-                torch.stack([lg for _, lg in to_sample]).float(), [s.params for s in seqs],
-                [s.generator or self._global_gen for s in seqs], [s.output_ids for s in seqs],
-                [s.prompt_ids for s in seqs])
-            for r, seq in enumerate(seqs):
+            try:
+                results = self._sample(to_sample)
+            except Exception:  # isolate the row that broke the batch: sample one by one
+                results = []
+                for s, lg in to_sample:
+                    try:
+                        results.append(self._sample([(s, lg)])[0])
+                    except Exception as e:
+                        results.append(e)
+            for (seq, _), res in zip(to_sample, results, strict=True):
                 req = self.requests[seq.request_id]
                 touched[req.request_id] = req
                 try:
-                    self._append(seq, out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
+                    if isinstance(res, Exception):
+                        raise res
+                    self._append(seq, *res)
                 except Exception as e:
                     self._fail(req, e)
         outputs = []
@@ -226,6 +232,14 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _sample(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple]:
+        seqs = [s for s, _ in rows]
+        out = self.sampler(
+            torch.stack([lg for _, lg in rows]).float(), [s.params for s in seqs],
+            [s.generator or self._global_gen for s in seqs], [s.output_ids for s in seqs],
+            [s.prompt_ids for s in seqs])
+        return list(zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True))
 
     def _prompt_logprobs(self, seq: Sequence, p0: int, logits: torch.Tensor) -> None:
         """Logits at positions p0..p0+n-1 score tokens p0+1..p0+n (first prompt token: None)."""

@@ -1,0 +1,291 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+
+Requests are validated strictly (no "16" for an integer, no ``true`` for a number, no NaN or
+infinity); a failed validation becomes a 400 in OpenAI's error shape (see ``app.py``). Unknown
+fields are accepted and ignored, as vLLM does, except the Memory Caching overrides: any extra
+field whose name starts with ``mc_`` (e.g. ``mc_top_k``), and the ``mc_overrides`` object, go to
+the engine, which rejects the ones the model does not allow.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+MAX_N = 128  # completions per request (OpenAI's limit)
+MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling.MAX_LOGPROBS)
+MAX_STOP = 16  # stop strings per request
+MAX_PROMPTS = 256  # prompts in one completions request
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Number = StrictInt | StrictFloat
+McValue = StrictInt | StrictFloat | StrictBool | StrictStr
+
+
+class OpenAIModel(BaseModel):
+    """Base of the request bodies: strict types, finite numbers, extra fields kept."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    def mc_fields(self) -> dict[str, Any]:
+        """The MC overrides: ``mc_overrides`` merged with the extra ``mc_*`` fields."""
+        out: dict[str, Any] = dict(getattr(self, "mc_overrides", None) or {})
+        for key, value in (self.model_extra or {}).items():
+            if key.startswith("mc_"):
+                out[key] = value
+        return out
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling fields shared by completions and chat completions."""
+
+    model: StrictStr | None = Field(
+        None, description="The served model name (GET /v1/models); optional."
+    )
+    temperature: float | None = Field(1.0, ge=0, description="0 is greedy.")
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1, description="0 or -1: disabled (vLLM).")
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = Field(None, description="Accepted and ignored.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+    mc_overrides: dict[str, McValue] | None = Field(
+        None,
+        description="Per-request Memory Caching overrides the model allows (e.g. mc_top_k); "
+        "extra top-level fields named mc_* are merged in.",
+    )
+
+
+PromptType = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: PromptType = Field(
+        ..., description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
+    max_tokens: StrictInt | None = Field(16, ge=0, description="0 only with echo.")
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    suffix: StrictStr | None = Field(None, description="Not supported.")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="Only {'type': 'text'} is supported."
+    )
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: ``prompt`` or ``messages`` (chat template applied)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogprobTop(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(ResponseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(ResponseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mcserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str
