@@ -41,6 +41,7 @@ def pools_whole_after():
     for eng in ENGINES:
         assert not eng.has_unfinished_requests()
         assert eng.cache.is_whole(), "a block or slot leaked"
+        assert not eng.runner.states, "a private (loglinear) state leaked"
 
 
 def prompts(seed=1):
@@ -60,6 +61,7 @@ COMBOS = [
     pytest.param("dla", "soup", "checkpoint", id="dla-soup"),
     pytest.param("titans", "grm", "independent", id="titans-grm-indep"),
     pytest.param("linear", "none", "checkpoint", id="linear-none"),
+    pytest.param("swla", "loglinear", "checkpoint", id="swla-loglinear"),
 ]
 
 
@@ -74,12 +76,12 @@ def test_greedy_same_alone_batched_preempted_cached(memory, variant, mode):
     # second run: prompts' complete segments come from the prefix cache
     hits0 = eng.stats()["prefix_cache_hits"]
     assert run(eng, ps) == alone
-    if variant != "none":
+    if variant not in ("none", "loglinear"):
         assert eng.stats()["prefix_cache_hits"] > hits0
     # a pool so small that sequences are preempted and recomputed
     small = make_engine(model, num_state_blocks=14, max_num_batched_tokens=16)
     assert run(small, ps) == alone
-    if variant != "none":
+    if variant not in ("none", "loglinear"):
         assert small.stats()["num_preemptions"] > 0
     # the same without prefix caching (recompute from scratch)
     plain = make_engine(model, num_state_blocks=14, enable_prefix_caching=False)

@@ -86,9 +86,6 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.byte_level()
         self.model_name = model_name or "mcserve"
         mcfg = self.model_config
-        if mcfg.mc_variant == "loglinear":
-            raise ValueError("mc_variant='loglinear' is not supported by the engine yet "
-                             "(its segmentation changes every token); use the model directly")
         salt = json.dumps(mcfg.to_dict(), sort_keys=True).encode()
         ssc = mcfg.mc_variant == "ssc"
         # staging rows for host blocks the ssc router selects: every row, head and pick at once
@@ -97,10 +94,12 @@ class LLMEngine:
                                 config.enable_prefix_caching, salt=salt,
                                 host_blocks=config.host_state_blocks, staging_blocks=staging)
         self.scheduler = Scheduler(
-            self.cache, segment_len=mcfg.segment_len, segmented=mcfg.mc_variant != "none",
+            self.cache, segment_len=mcfg.segment_len,
+            segmented=mcfg.mc_variant not in ("none", "loglinear"),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, offload=ssc)
         self.runner = ModelRunner(model, self.cache)
+        self.scheduler.on_release = self.runner.release
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._arrival = itertools.count()

@@ -36,8 +36,16 @@ class ModelRunner:
             for blk in model.layers
         ]
         self.independent = cfg.mc_mode == "independent"
+        # loglinear's checkpoints change every token (a stack of at most log2(n) + 1 per layer):
+        # its sequences keep their model state privately instead of in the pools
+        self.private = cfg.mc_variant == "loglinear"
+        self.states: dict[int, ModelState] = {}
 
     # ------------------------------------------------------------------ state <-> pool
+    def release(self, seq: Sequence) -> None:
+        """Forget a sequence's private state (loglinear) when it finishes or is preempted."""
+        self.states.pop(seq.seq_id, None)
+
     def init_slot(self, seq: Sequence, resume_block: int) -> None:
         if resume_block < 0:
             self.cache.clear_slot(seq.slot, self.init_mem)
@@ -99,6 +107,13 @@ class ModelRunner:
         """Compute ``item.num_tokens`` tokens of one sequence; returns logits ``(n, V)`` (all
         positions) or ``(1, V)`` (the last one)."""
         seq = item.seq
+        if self.private:
+            x = torch.tensor([seq.all_ids[seq.num_computed_tokens:][:item.num_tokens]],
+                             device=self.model.device)
+            state = None if item.resume_block is not None else self.states[seq.seq_id]
+            logits, self.states[seq.seq_id] = self.model(x, state)
+            seq.num_computed_tokens += item.num_tokens
+            return logits[0] if want_all_logits else logits[0, -1:]
         if item.resume_block is not None:
             self.init_slot(seq, item.resume_block)
         state = self.load_state(seq)
@@ -145,6 +160,14 @@ class ModelRunner:
         """One token for each sequence, as one ragged batch; returns logits ``(B, V)``."""
         seqs = [it.seq for it in items]
         dev = self.model.device
+        if self.private:  # per sequence: each has its own logarithmic segmentation
+            rows = []
+            for s in seqs:
+                x = torch.tensor([[s.all_ids[-1]]], device=dev)
+                logits, self.states[s.seq_id] = self.model(x, self.states[s.seq_id])
+                s.num_computed_tokens += 1
+                rows.append(logits[0, -1])
+            return torch.stack(rows)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         n_max = max(len(s.block_table) for s in seqs)
         table = torch.full((len(seqs), n_max), -1, dtype=torch.long, device=dev)

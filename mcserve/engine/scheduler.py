@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.on_release = lambda seq: None  # the runner forgets per-sequence private state
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -68,6 +69,7 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
+        self.on_release(seq)
         if seq.block_table:
             self.cache.free(seq.block_table)
         seq.block_table = []
