@@ -81,3 +81,21 @@ def test_mc_deep_matches_reference(memory, variant, mode, T, dtype, tol):
     y = mc_torch.mc_deep(q, k, v, u, eta, w1, w2, a, m, **kw)
     y_ref = reference.mc_deep(q, k, v, u, eta, w1, w2, a, m, **kw)
     assert _rel(y, y_ref) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_paged_readout_matches_gathered(dtype, tol):
+    # the engine's in-place pool readout (embedding bags) against gather + readout_mix, with
+    # block ids that are scattered, repeated across rows and different per head
+    from mcserve.models.memory.linear import LinearMemory
+
+    g = torch.Generator().manual_seed(0)
+    NB, H, K, V, B, n = 11, 3, 4, 5, 4, 6
+    pool = {"S": torch.randn(NB, H, K, V, generator=g, dtype=dtype)}
+    ids = torch.randint(0, NB, (B, n, H), generator=g)
+    q = torch.randn(B, 1, H, K, generator=g, dtype=dtype)
+    w = torch.rand(B, 1, n, H, generator=g, dtype=dtype)
+    fam = LinearMemory()
+    h = torch.arange(H)[None, None, :]
+    want = fam.readout_mix({"S": pool["S"][ids, h]}, q, w)
+    assert _rel(fam.readout_mix_paged(pool, ids, q, w), want) < tol

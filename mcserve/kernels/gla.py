@@ -41,6 +41,12 @@ def chunk_gla(
     """
     T = q.shape[1]
     S = initial_state
+    if T == 1:  # decode: one fused-looking step instead of the chunk machinery
+        kt = k[:, 0] if b is None else k[:, 0] * b[:, 0, :, None]
+        if log_a is not None:
+            S = S * log_a[:, 0].exp()[..., None, None]
+        S = torch.addcmul(S, kt[..., :, None], v[:, 0, :, None, :])  # (B, H, K, V)
+        return torch.matmul(q[:, 0, :, None, :], S).transpose(1, 2), S
     outs = []
     for s in range(0, T, chunk_size):
         qc, kc, vc = q[:, s:s + chunk_size], k[:, s:s + chunk_size], v[:, s:s + chunk_size]

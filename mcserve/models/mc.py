@@ -229,7 +229,7 @@ class MCMemory:
                      else 1.0 / (pl.n_seg + 1).to(q.dtype))
             w_on = scale[:, None, None].expand(B, 1, H)
             w_c = (valid.to(q.dtype) * scale[:, None])[:, None, :, None].expand(B, 1, N, H)
-            cached = {key: t[tb] for key, t in pl.pool.items()}
+            ids = tb[:, :, None].expand(B, N, H)
         else:
             p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
             r_on = (u[:, 0] * p_on).sum(-1)[:, None] / math.sqrt(K)  # (B, 1, H)
@@ -240,24 +240,31 @@ class MCMemory:
                 idx = self._select(r_c)  # (B, 1, k, H)
                 r_c = r_c.gather(2, idx)
                 ids = tb.gather(1, idx[:, 0].flatten(1)).view(B, -1, H)  # (B, k, H) block ids
-                if pl.fetch is not None:  # bring the selected host-tier blocks to the device
-                    ids = pl.fetch(ids)
-                h = torch.arange(H, device=q.device)[None, None, :]
-                cached = {key: t[ids, h] for key, t in pl.pool.items()}  # only selected blocks
             else:
-                if pl.fetch is not None:
-                    tb = pl.fetch(tb)
-                cached = {key: t[tb] for key, t in pl.pool.items()}
+                ids = tb[:, :, None].expand(B, N, H)
+            if pl.fetch is not None:  # bring host-tier blocks (ssc's selection) to the device
+                ids = pl.fetch(ids)
             gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), dim=2)
             w_on, w_c = gamma[:, :, -1], gamma[:, :, :-1]
         if self.soup:
+            cached = self._gather_blocks_by_id(pl.pool, ids)
             y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, (w_on, cached, w_c))
             return y
         o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
         y = o * w_on[..., None]
         if w_c.shape[2]:
-            y = y + self.family.readout_mix(cached, q, w_c)
+            paged = getattr(self.family, "readout_mix_paged", None)
+            if paged is not None:  # reads the pool in place
+                y = y + paged(pl.pool, ids, q, w_c)
+            else:
+                y = y + self.family.readout_mix(self._gather_blocks_by_id(pl.pool, ids), q, w_c)
         return y
+
+    @staticmethod
+    def _gather_blocks_by_id(pool: State, ids: Tensor) -> State:
+        """Pool rows per (row, block, head): ids ``(B, n, H)`` → tensors ``(B, n, H, ...)``."""
+        h = torch.arange(ids.shape[2], device=ids.device)[None, None, :]
+        return {key: t[ids, h] for key, t in pool.items()}
 
     def _scan_rows(self, mem: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor],
                    soup: tuple | None = None) -> tuple[Tensor, State]:
@@ -378,8 +385,10 @@ class MCMemory:
     def _select(self, r_c: Tensor) -> Tensor:
         """Indices of the top_k cached scores along dim 2, ties going to the more recent block."""
         N = r_c.shape[2]
-        order = torch.sort(r_c.flip(2), dim=2, descending=True, stable=True).indices
-        return N - 1 - order[:, :, : self.cfg.top_k]
+        # sort along a contiguous last dim (much faster than along dim 2 of (B, L, N, H))
+        r = r_c.flip(2).transpose(2, 3).contiguous()  # (B, L, H, N), most recent first
+        order = torch.sort(r, dim=-1, descending=True, stable=True).indices[..., :self.cfg.top_k]
+        return N - 1 - order.transpose(2, 3)
 
     @staticmethod
     def _gather_blocks(cached: State, idx: Tensor) -> State:

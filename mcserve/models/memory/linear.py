@@ -7,16 +7,49 @@ no log of an exponential, and long products of a stay exact as sums.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mcserve.kernels.gla import chunk_gla
 from mcserve.models.memory.base import State
 
+_BLOCKS_PER_MATMUL = 16  # bounds the (B, n, H, T, V) intermediate in prefill
+
 
 def _readout_mix_linear(S: Tensor, q: Tensor, w: Tensor) -> Tensor:
-    # Σ_n w_n S_nᵀ q as one contraction over (n, k): each cached state is read exactly once.
-    wq = w[..., None] * q[:, :, None]  # (B, T, N, H, K)
-    return torch.einsum("btnhk,bnhkv->bthv", wq, S)
+    """Σ_n w_n S_nᵀ q. S ``(B, N, H, K, V)``, q ``(B, T, H, K)``, w ``(B, T, N, H)``.
+
+    Batched matmuls over (b, n, h) read every state in place: an einsum contracting (n, k)
+    would first copy the whole (B, N, H, K, V) stack into a (b, h, n·k, v) layout.
+    """
+    out = None
+    for n0 in range(0, S.shape[1], _BLOCKS_PER_MATMUL):
+        sl = slice(n0, n0 + _BLOCKS_PER_MATMUL)
+        wq = (w[:, :, sl, :, None] * q[:, :, None]).permute(0, 2, 3, 1, 4)  # (B, n, H, T, K)
+        part = torch.matmul(wq, S[:, sl]).sum(1)  # (B, H, T, V)
+        out = part if out is None else out + part
+    if out is None:
+        return q.new_zeros(q.shape[:3] + S.shape[-1:])
+    return out.transpose(1, 2)
+
+
+def _readout_mix_linear_paged(pool: State, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    """Σ_n w_n S_{ids[n]}ᵀ q reading the block pool in place (one token per row).
+
+    pool["S"] ``(num_blocks, H, K, V)``; ids ``(B, n, H)`` block row per (row, pick, head);
+    q ``(B, 1, H, K)``; w ``(B, 1, n, H)``. One embedding bag per (row, head) sums the pool rows
+    S[id, h, k, :] weighted by w_n·q_k.
+    """
+    S = pool["S"]
+    _, H, K, V = S.shape
+    B, n, _ = ids.shape
+    heads = torch.arange(H, device=ids.device)
+    rows = ((ids * H + heads) * K)[..., None] + torch.arange(K, device=ids.device)  # (B,n,H,K)
+    rows = rows.permute(0, 2, 1, 3).reshape(B * H, n * K)
+    wts = w[:, 0].permute(0, 2, 1)[..., None] * q[:, 0, :, None, :]  # (B, H, n, K)
+    y = F.embedding_bag(rows, S.reshape(-1, V), mode="sum",
+                        per_sample_weights=wts.reshape(B * H, n * K))
+    return y.view(B, 1, H, V)
 
 
 class LinearMemory:
@@ -39,6 +72,8 @@ class LinearMemory:
 
     def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
         return _readout_mix_linear(mem["S"], q, w)
+
+    readout_mix_paged = staticmethod(_readout_mix_linear_paged)  # reads the pool in place
 
 
 class SWLAMemory:
@@ -76,3 +111,5 @@ class SWLAMemory:
 
     def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
         return _readout_mix_linear(mem["S"], q, w)
+
+    readout_mix_paged = staticmethod(_readout_mix_linear_paged)  # reads the pool in place
