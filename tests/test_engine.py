@@ -286,3 +286,28 @@ def test_sampler_failure_in_one_row_fails_only_that_request():
                 done[o.request_id] = o
     assert done["bad"].outputs[0].finish_reason == "error"
     assert [done[str(i)].outputs[0].token_ids for i in range(3)] == want
+
+
+def test_per_request_ssc_top_k():
+    # mc_top_k per request equals a model configured with that top_k, in the same batch as
+    # requests using the model's own; other overrides are refused by name
+    model = make_model("linear", "ssc")  # mc_top_k = 1
+    wide = MCForCausalLM(model.config.replace(mc_top_k=3)).double()
+    wide.load_state_dict(model.state_dict())
+    ps = prompts()
+    eng = make_engine(model)
+    for i, p in enumerate(ps):
+        eng.add_request(f"k3-{i}", None, GREEDY, prompt_token_ids=p, mc_overrides={"mc_top_k": 3})
+        eng.add_request(f"k1-{i}", None, GREEDY, prompt_token_ids=p)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    for i, p in enumerate(ps):
+        assert done[f"k3-{i}"] == wide.generate(p, GREEDY.max_tokens)
+        assert done[f"k1-{i}"] == model.generate(p, GREEDY.max_tokens)
+    with pytest.raises(ValueError, match="mc_top_k"):
+        eng.add_request("x", None, GREEDY, prompt_token_ids=[1], mc_overrides={"mc_top_k": 0})
+    with pytest.raises(ValueError, match="segment_len"):
+        eng.add_request("y", None, GREEDY, prompt_token_ids=[1], mc_overrides={"segment_len": 8})

@@ -126,9 +126,7 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} already exists")
-        if mc_overrides:
-            raise ValueError(f"mc overrides {sorted(mc_overrides)} are not supported per request "
-                             f"by this model; set them when starting the engine")
+        top_k = self._check_overrides(mc_overrides or {})
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")
@@ -157,7 +155,9 @@ class LLMEngine:
         arrival = next(self._arrival)
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), params,
-                           generator=make_generator(params.seed, "cpu", i), arrival=arrival)
+                           generator=make_generator(params.seed, "cpu", i), arrival=arrival,
+                           top_k=top_k, salt=self.cache.salt + (
+                               f"|top_k={top_k}".encode() if top_k else b""))
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
@@ -165,6 +165,22 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = req
         self.prompt_tokens_total += len(ids)
+
+    def _check_overrides(self, overrides: dict) -> int | None:
+        """Per-request MC settings this model allows: ``mc_top_k`` for ssc (blocks computed
+        under another top_k are never shared: the per-request value salts the prefix hash)."""
+        allowed = ("mc_top_k",) if self.model_config.mc_variant == "ssc" else ()
+        bad = sorted(set(overrides) - set(allowed))
+        if bad:
+            raise ValueError(f"mc overrides {bad} are not supported per request by this model "
+                             f"(mc_variant={self.model_config.mc_variant!r}; allowed: "
+                             f"{list(allowed)}); set them when starting the engine")
+        k = overrides.get("mc_top_k")
+        if k is None:
+            return None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"mc_top_k must be a positive integer, got {k!r}")
+        return k
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -75,7 +75,7 @@ class ModelRunner:
                 mem=mem, seg_ksum=sl["seg_ksum"][s:s + 1].clone(), seg_len=seq.seg_len,
                 cached=cached, cached_ksum=ksum, cached_len=[self.C] * ksum.shape[1],
                 cached_pos=[(i + 1) * self.C for i in range(ksum.shape[1])], n_segments=N,
-                pos=seq.num_computed_tokens, v_dim=self.model.config.head_dim,
+                pos=seq.num_computed_tokens, v_dim=self.model.config.head_dim, top_k=seq.top_k,
             )
             conv = sl["conv"][s:s + 1].clone() if "conv" in sl else None
             layers.append(LayerState(st, conv))
@@ -96,7 +96,7 @@ class ModelRunner:
     def _register(self, seq: Sequence, bid: int) -> None:
         i = len(seq.block_table)
         parent = seq.block_hashes[-1] if seq.block_hashes else None
-        h = block_hash(parent, seq.all_ids[i * self.C:(i + 1) * self.C], self.cache.salt)
+        h = block_hash(parent, seq.all_ids[i * self.C:(i + 1) * self.C], seq.salt)
         seq.block_table.append(bid)
         seq.block_hashes.append(h)
         self.cache.register(bid, h)
@@ -178,6 +178,8 @@ class ModelRunner:
         n_seg = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long, device=dev)
         layers = []
         offloaded = bool((table >= self.cache.host_base).any())
+        top_k = (torch.tensor([s.top_k or self.model.config.mc_top_k for s in seqs], device=dev)
+                 if any(s.top_k for s in seqs) else None)
         for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
                                               strict=True)):
             keys = mc.family.readout_keys
@@ -187,7 +189,7 @@ class ModelRunner:
                 seg_ksum=sl["seg_ksum"][slots], seg_len=seg_len, n_seg=n_seg,
                 csum={k: sl[f"csum.{k}"][slots] for k in keys} if mc.collapsed else None,
                 table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
-                fetch=partial(self.cache.fetch, li) if offloaded else None,
+                fetch=partial(self.cache.fetch, li) if offloaded else None, top_k=top_k,
             ))
         tokens = torch.tensor([[s.all_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]

@@ -134,7 +134,7 @@ class Scheduler:
         ids = seq.all_ids
         out, parent = [], None
         for s in range((len(ids) - 1) // self.C):
-            parent = block_hash(parent, ids[s * self.C:(s + 1) * self.C], self.cache.salt)
+            parent = block_hash(parent, ids[s * self.C:(s + 1) * self.C], seq.salt)
             out.append(parent)
         return out
 

@@ -45,6 +45,8 @@ class Sequence:
     text: str = ""
     detok: object | None = None  # IncrementalDetokenizer
     error: str | None = None
+    top_k: int | None = None  # per-request ssc top_k (mc_top_k override)
+    salt: bytes = b""  # prefix-hash salt: model + MC config (+ per-request MC overrides)
 
     @property
     def all_ids(self) -> list[int]:

@@ -78,6 +78,7 @@ class MCLayerState:
     n_segments: int = 0  # cached segments so far (== N unless collapsed into one summed block)
     pos: int = 0  # tokens consumed
     v_dim: int = 0  # value dim, to rebuild the initial memory in independent mode
+    top_k: int | None = None  # per-request ssc override of MCConfig.top_k
     _stack: _Stack | None = field(default=None, repr=False, compare=False)
 
     def append(self, block: State, ksum: Tensor, length: int, pos: int) -> None:
@@ -137,6 +138,7 @@ class PagedLayer:
     # maps block ids that name host-tier blocks to device rows (fetching them); None when
     # every block in ``table`` is on the device
     fetch: Callable[[Tensor], Tensor] | None = None
+    top_k: Tensor | None = None  # (B,) per-row ssc top_k overrides; None = MCConfig.top_k
 
 
 class MCMemory:
@@ -236,9 +238,14 @@ class MCMemory:
             p_c = pl.ksum_pool[tb] / self.cfg.segment_len  # (B, N, H, K)
             r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
             r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
-            if variant == "ssc" and N > self.cfg.top_k:
-                idx = self._select(r_c)  # (B, 1, k, H)
+            k_row = pl.top_k
+            k_max = self.cfg.top_k if k_row is None else int(k_row.max())
+            if variant == "ssc" and (N > k_max or (k_row is not None and bool((k_row < N).any()))):
+                idx = self._select(r_c, min(k_max, N))  # (B, 1, k, H)
                 r_c = r_c.gather(2, idx)
+                if k_row is not None:  # rows asking for fewer picks drop the extra ones
+                    extra = torch.arange(idx.shape[2], device=q.device) >= k_row[:, None]
+                    r_c = r_c.masked_fill(extra[:, None, :, None], float("-inf"))
                 ids = tb.gather(1, idx[:, 0].flatten(1)).view(B, -1, H)  # (B, k, H) block ids
             else:
                 ids = tb[:, :, None].expand(B, N, H)
@@ -358,8 +365,9 @@ class MCMemory:
                 r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
             else:
                 r_c = q.new_zeros(B, L, 0, H)
-            if variant == "ssc" and N > self.cfg.top_k:
-                idx = self._select(r_c)  # (B, L, top_k, H)
+            top_k = st.top_k or self.cfg.top_k
+            if variant == "ssc" and N > top_k:
+                idx = self._select(r_c, top_k)  # (B, L, top_k, H)
                 gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
                 w_on = gamma[:, :, -1]
                 if L == 1:  # decode: read only the selected blocks
@@ -382,12 +390,12 @@ class MCMemory:
         st.pos += L
         return y
 
-    def _select(self, r_c: Tensor) -> Tensor:
+    def _select(self, r_c: Tensor, top_k: int) -> Tensor:
         """Indices of the top_k cached scores along dim 2, ties going to the more recent block."""
         N = r_c.shape[2]
         # sort along a contiguous last dim (much faster than along dim 2 of (B, L, N, H))
         r = r_c.flip(2).transpose(2, 3).contiguous()  # (B, L, H, N), most recent first
-        order = torch.sort(r, dim=-1, descending=True, stable=True).indices[..., :self.cfg.top_k]
+        order = torch.sort(r, dim=-1, descending=True, stable=True).indices[..., :top_k]
         return N - 1 - order.transpose(2, 3)
 
     @staticmethod
