@@ -212,6 +212,11 @@ class MCMemory:
         if variant == "none":
             y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
             return y
+        if self.family.linear and variant in ("grm", "soup", "ssc"):
+            from mcserve.kernels import dispatch
+
+            if dispatch.get_backend(q) != "torch":  # Triton on CUDA, or MCSERVE_KERNELS=...
+                return dispatch.decode_paged_linear(self, pl, q, k, v, u, gates)
         B, _, H, K = q.shape
         cum = pl.seg_ksum + k[:, 0]  # (B, H, K)
         pl.seg_ksum = cum

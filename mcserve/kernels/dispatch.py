@@ -1,0 +1,208 @@
+"""Which implementation of a kernel runs: Triton on CUDA, the torch twin elsewhere.
+
+``get_backend(x)`` returns ``"triton"`` when ``x`` lives on a CUDA device and triton imports,
+``"torch"`` otherwise (so on a CPU-only host nothing changes). The environment variable
+``MCSERVE_KERNELS=reference|torch|triton`` forces one for every call (``reference`` = the plain
+loop versions, slow, for debugging; ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``).
+The functions below take the kernels' signatures plus an optional ``backend=`` and pick the
+implementation per call; every backend gives the same result (see ``tests/test_triton_kernels``).
+
+``mc_linear`` composes the kernels into the whole MC layer of the linear family for one
+sequence, with ``reference.mc_linear``'s signature (used to test the kernels end to end against
+the oracle): ``chunk_linear_prefill`` gives the online readouts and the segment checkpoints,
+and ``paged_mc_decode_linear`` runs every token as one row of a ragged batch whose block table
+lists the checkpoints before it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from mcserve.kernels.triton import twins
+
+BACKENDS = ("reference", "torch", "triton")
+
+__all__ = ["BACKENDS", "get_backend", "triton_available", "paged_mc_decode_linear",
+           "ssc_router", "chunk_linear_prefill", "decode_paged_linear", "mc_linear"]
+
+
+@lru_cache(maxsize=1)
+def _triton_status() -> str | None:
+    from mcserve.kernels.triton import available
+
+    return available()
+
+
+def triton_available() -> bool:
+    return _triton_status() is None
+
+
+def get_backend(x: Tensor | None = None) -> str:
+    """The backend for a call on tensor ``x`` (see the module docstring)."""
+    forced = os.environ.get("MCSERVE_KERNELS", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"MCSERVE_KERNELS={forced!r} is not one of {BACKENDS}")
+        if forced == "triton" and not triton_available():
+            raise RuntimeError(f"MCSERVE_KERNELS=triton but {_triton_status()}")
+        return forced
+    if x is not None and x.is_cuda and triton_available():
+        return "triton"
+    return "torch"
+
+
+def _resolve(backend: str | None, x: Tensor) -> str:
+    b = backend or get_backend(x)
+    if b not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {b!r}")
+    if b == "triton":
+        if not triton_available():
+            raise RuntimeError(f"backend 'triton' requested but {_triton_status()}")
+        from mcserve.kernels.triton._jit import interpreting
+
+        if not x.is_cuda and not interpreting():
+            raise RuntimeError("the triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    return b
+
+
+def paged_mc_decode_linear(q: Tensor, u: Tensor, o_online: Tensor, p_online: Tensor,
+                           table: Tensor, pool_S: Tensor, ksum_pool: Tensor, *, variant: str,
+                           segment_len: int, top_k: int = 2, n_seg: Tensor | None = None,
+                           state_table: Tensor | None = None, out: Tensor | None = None,
+                           row_top_k: Tensor | None = None, backend: str | None = None
+                           ) -> Tensor:
+    """See ``twins.paged_mc_decode_linear_torch``."""
+    kw = dict(variant=variant, segment_len=segment_len, top_k=top_k, n_seg=n_seg,
+              state_table=state_table, out=out, row_top_k=row_top_k)
+    b = _resolve(backend, q)
+    if b == "triton":
+        from mcserve.kernels.triton.decode import paged_mc_decode_linear as fn
+    elif b == "torch":
+        fn = twins.paged_mc_decode_linear_torch
+    else:
+        fn = twins.paged_mc_decode_linear_reference
+    return fn(q, u, o_online, p_online, table, pool_S, ksum_pool, **kw)
+
+
+def ssc_router(u: Tensor, ksum_pool: Tensor, table: Tensor, *, segment_len: int, top_k: int,
+               row_top_k: Tensor | None = None, backend: str | None = None
+               ) -> tuple[Tensor, Tensor]:
+    """See ``twins.ssc_router_torch``."""
+    b = _resolve(backend, u)
+    if b == "triton":
+        from mcserve.kernels.triton.decode import ssc_router as fn
+    elif b == "torch":
+        fn = twins.ssc_router_torch
+    else:
+        fn = twins.ssc_router_reference
+    return fn(u, ksum_pool, table, segment_len=segment_len, top_k=top_k, row_top_k=row_top_k)
+
+
+def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None = None,
+                         b: Tensor | None = None, initial_state: Tensor | None = None, *,
+                         segment_len: int, cu_seqlens: Tensor | None = None,
+                         mode: str = "checkpoint", initial_seg_len: Tensor | int = 0,
+                         initial_ksum: Tensor | None = None, output_final_state: bool = True,
+                         block_ids: Tensor | None = None, state_pool: Tensor | None = None,
+                         ksum_pool: Tensor | None = None, out: Tensor | None = None,
+                         chunk_size: int = 64, backend: str | None = None
+                         ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """See ``twins.chunk_linear_prefill_torch``."""
+    kw = dict(segment_len=segment_len, cu_seqlens=cu_seqlens, mode=mode,
+              initial_seg_len=initial_seg_len, initial_ksum=initial_ksum,
+              output_final_state=output_final_state, block_ids=block_ids,
+              state_pool=state_pool, ksum_pool=ksum_pool, out=out, chunk_size=chunk_size)
+    bk = _resolve(backend, q)
+    if bk == "triton":
+        from mcserve.kernels.triton.prefill import chunk_linear_prefill as fn
+    elif bk == "torch":
+        fn = twins.chunk_linear_prefill_torch
+    else:
+        fn = twins.chunk_linear_prefill_reference
+    return fn(q, k, v, log_a, b, initial_state, **kw)
+
+
+def decode_paged_linear(mc, pl, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
+                        gates: dict[str, Tensor], backend: str | None = None) -> Tensor:
+    """``MCMemory.decode_paged`` for a matrix memory (``linear``/``swla``) with variant
+    grm/soup/ssc, its cached readout done by ``paged_mc_decode_linear`` (the engine's hook).
+
+    ``mc`` is the ``MCMemory``, ``pl`` the ``PagedLayer``; q, k, u ``(B, 1, H, K)``, v
+    ``(B, 1, H, V)``. Like ``decode_paged`` it updates ``pl.mem`` and ``pl.seg_ksum`` and returns
+    y ``(B, 1, H, V)``. Host-tier blocks (``pl.fetch``): for ssc the router picks first and only
+    the picked blocks are fetched (then a softmax over them and the online memory, i.e. grm over
+    a per-head table); otherwise every block of the table is fetched. Per-request ssc top_k
+    overrides (``pl.top_k`` ``(B,)``, if the layer has them) are honoured.
+    """
+    variant = mc.cfg.variant
+    if not mc.family.linear or mc.collapsed or variant not in ("grm", "soup", "ssc"):
+        raise ValueError("decode_paged_linear handles linear/swla memories with grm/soup/ssc")
+    C, top_k = mc.cfg.segment_len, mc.cfg.top_k
+    row_top_k = getattr(pl, "top_k", None) if variant == "ssc" else None
+    if row_top_k is not None:
+        top_k = int(row_top_k.max())  # the kernel's compile-time pick count
+    cum = pl.seg_ksum + k[:, 0]
+    pl.seg_ksum = cum
+    p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
+    o, pl.mem = mc.family.scan(pl.mem, q, k, v, gates)
+    table, state_table = pl.table, None
+    if pl.fetch is not None:
+        if variant == "ssc" and (table.shape[1] > top_k or row_top_k is not None):
+            idx, _ = ssc_router(u[:, 0], pl.ksum_pool, table, segment_len=C, top_k=top_k,
+                                row_top_k=row_top_k, backend=backend)
+            B, H = idx.shape[:2]
+            ids = table[:, None, :].expand(B, H, table.shape[1]).gather(2, idx.clamp_min(0))
+            table = torch.where(idx >= 0, ids, -1)  # (B, H, top_k) block ids
+            variant, row_top_k = "grm", None
+        state_table = torch.where(table >= 0, pl.fetch(table.clamp_min(0)), -1)
+    y = paged_mc_decode_linear(q[:, 0], u[:, 0], o[:, 0], p_on, table, pl.pool["S"],
+                               pl.ksum_pool, variant=variant, segment_len=C, top_k=top_k,
+                               state_table=state_table, row_top_k=row_top_k, backend=backend)
+    return y[:, None]
+
+
+def mc_linear(q: Tensor, k: Tensor, v: Tensor, u: Tensor, a: Tensor | None = None,
+              b: Tensor | None = None, *, variant: str, segment_len: int, top_k: int = 2,
+              mode: str = "checkpoint", backend: str | None = None,
+              block_ids: Tensor | None = None, num_blocks: int | None = None) -> Tensor:
+    """``reference.mc_linear`` (constant segmentation variants) built from the kernels.
+
+    q, k, u ``(T, H, K)``, v ``(T, H, V)``, a/b ``(T, H)`` or None. ``block_ids`` (one per
+    completed segment) and ``num_blocks`` place the checkpoints in a pool of that size (the
+    rest of it is filled with NaN, so a read through a wrong id shows); default: in order.
+    """
+    if variant not in twins.DECODE_VARIANTS:
+        raise ValueError(f"variant must be one of {twins.DECODE_VARIANTS}, got {variant!r}")
+    T, H, K = q.shape
+    V = v.shape[-1]
+    C = segment_len
+    nb = T // C
+    if block_ids is None:
+        block_ids = torch.arange(nb, device=q.device)
+    num_blocks = max(num_blocks or 0, int(block_ids.max()) + 1 if nb else 0)
+    pool = q.new_full((num_blocks, H, K, V), float("nan"))
+    kpool = q.new_full((num_blocks, H, K), float("nan"))
+    log_a = None if a is None else a.log()[None]
+    o, _, pool, kpool = chunk_linear_prefill(
+        q[None], k[None], v[None], log_a, None if b is None else b[None], None,
+        segment_len=C, mode=mode, block_ids=block_ids, state_pool=pool, ksum_pool=kpool,
+        backend=backend)
+    o = o[0]
+    # row t = the token at position t+1: its segment index and how many segments precede it
+    t = torch.arange(T, device=q.device)
+    seg, fill = t // C, t % C + 1
+    ksum_seg = torch.zeros_like(k)
+    for s in range(0, T, C):  # running key sum inside each segment
+        ksum_seg[s:s + C] = k[s:s + C].cumsum(0)
+    p_on = ksum_seg / fill.to(q.dtype)[:, None, None]
+    ncol = max(1, math.ceil(T / C) - 1)
+    cols = torch.arange(ncol, device=q.device)
+    table = torch.where(cols[None, :] < seg[:, None], block_ids[cols.clamp_max(max(nb - 1, 0))]
+                        if nb else cols.new_full((ncol,), -1), -1)
+    return paged_mc_decode_linear(q, u, o, p_on, table, pool, kpool, variant=variant,
+                                  segment_len=C, top_k=top_k, backend=backend)

@@ -1,0 +1,525 @@
+"""Torch twins (and plain reference loops) of the Triton kernels in this package.
+
+Every Triton kernel here has a torch *twin* with the same signature and result: the vectorised
+path used on CPU, and the thing the kernel is tested against (DESIGN.md §2). A third, plainly
+written *reference* version (Python loops over rows, heads and tokens) backs
+``MCSERVE_KERNELS=reference`` and is the oracle of the twins themselves. Nothing in this module
+imports triton.
+
+Shared conventions (see ``docs/kernels.md``):
+
+* a **block table** is ``(B, N)`` (one list of block ids per row) or ``(B, H, N)`` (one list per
+  row and head, e.g. the ssc router's picks), int, padded with ``-1``; entries are in segment
+  order (column ``n`` is the ``n``-th oldest cached segment of the row), so "more recent" means
+  "larger column";
+* ``pool_S`` ``(num_blocks, H, K, V)`` and ``ksum_pool`` ``(num_blocks, H, K)`` are one layer's
+  slice of the engine's block pool, read in place through the table;
+* ``state_table`` (same shape as ``table``, optional) names the pool rows the *states* are read
+  from when they differ from the ids the key sums are read from (host-tier blocks staged into
+  device rows by ``StateCache.fetch``: key sums always stay on the device under their own ids).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from mcserve.kernels.gla import chunk_gla, naive_gla
+
+DECODE_VARIANTS = ("residual", "post", "grm", "soup", "ssc")
+PREFILL_MODES = ("checkpoint", "independent")
+
+__all__ = [
+    "DECODE_VARIANTS", "PREFILL_MODES", "boundary_layout",
+    "paged_mc_decode_linear_torch", "paged_mc_decode_linear_reference",
+    "ssc_router_torch", "ssc_router_reference",
+    "chunk_linear_prefill_torch", "chunk_linear_prefill_reference",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks shared by the twins and the Triton wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+def _head_table(table: Tensor, B: int, H: int, name: str = "table") -> Tensor:
+    """``(B, N)`` or ``(B, H, N)`` int table → a ``(B, H, N)`` view (no copy)."""
+    if table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32/int64 tensor, got {table.dtype}")
+    if table.dim() == 2 and table.shape[0] == B:
+        return table[:, None, :].expand(B, H, table.shape[1])
+    if table.dim() == 3 and table.shape[:2] == (B, H):
+        return table
+    raise ValueError(f"{name} must be (B, N) or (B, H, N) with B={B}, H={H}, "
+                     f"got {tuple(table.shape)}")
+
+
+def check_decode_args(q: Tensor, u: Tensor, o_online: Tensor, p_online: Tensor, table: Tensor,
+                      pool_S: Tensor, ksum_pool: Tensor, variant: str, segment_len: int,
+                      top_k: int, n_seg: Tensor | None, state_table: Tensor | None,
+                      row_top_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Validate the decode arguments; return ``(table, state_table)`` as ``(B, H, N)`` views."""
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be one of {DECODE_VARIANTS}, got {variant!r}")
+    if not isinstance(segment_len, int) or segment_len < 1:
+        raise ValueError(f"segment_len must be a positive integer, got {segment_len!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, K), got {tuple(q.shape)}")
+    B, H, K = q.shape
+    if u.shape != q.shape or p_online.shape != q.shape:
+        raise ValueError(f"u and p_online must have q's shape {tuple(q.shape)}, got "
+                         f"{tuple(u.shape)} and {tuple(p_online.shape)}")
+    if o_online.dim() != 3 or o_online.shape[:2] != (B, H):
+        raise ValueError(f"o_online must be (B, H, V), got {tuple(o_online.shape)}")
+    V = o_online.shape[2]
+    if pool_S.dim() != 4 or pool_S.shape[1:] != (H, K, V):
+        raise ValueError(f"pool_S must be (num_blocks, {H}, {K}, {V}), got {tuple(pool_S.shape)}")
+    if ksum_pool.dim() != 3 or ksum_pool.shape[1:] != (H, K):
+        raise ValueError(f"ksum_pool must be (num_blocks, {H}, {K}), got "
+                         f"{tuple(ksum_pool.shape)}")
+    tab = _head_table(table, B, H)
+    stab = tab if state_table is None else _head_table(state_table, B, H, "state_table")
+    if stab.shape != tab.shape:
+        raise ValueError(f"state_table must have table's shape {tuple(table.shape)}, got "
+                         f"{tuple(state_table.shape)}")
+    if n_seg is not None and n_seg.shape != (B,):
+        raise ValueError(f"n_seg must be (B,) = ({B},), got {tuple(n_seg.shape)}")
+    _check_row_top_k(row_top_k, B)
+    return tab, stab
+
+
+def _check_row_top_k(row_top_k: Tensor | None, B: int) -> None:
+    if row_top_k is not None and (row_top_k.shape != (B,) or row_top_k.dtype.is_floating_point):
+        raise ValueError(f"row_top_k must be an int tensor of shape ({B},), got "
+                         f"{row_top_k.dtype} {tuple(row_top_k.shape)}")
+
+
+def boundary_layout(lengths: Tensor, segment_len: int, initial_seg_len: Tensor | int = 0
+                    ) -> tuple[Tensor, Tensor]:
+    """Where each sequence's segment boundaries go in ``chunk_linear_prefill``'s outputs.
+
+    ``lengths`` ``(N,)`` tokens per sequence in this call, ``initial_seg_len`` (int or ``(N,)``)
+    tokens each sequence already has in its current segment. Returns ``(counts, offsets)``,
+    both ``(N,)`` int64: sequence ``i`` completes ``counts[i] = (initial_seg_len[i] +
+    lengths[i]) // segment_len`` segments, whose states are rows ``offsets[i] ..
+    offsets[i] + counts[i] - 1`` of ``boundary_states`` (sequence-major, oldest first).
+    """
+    lengths = lengths.to(torch.int64)
+    off = torch.as_tensor(initial_seg_len, dtype=torch.int64, device=lengths.device)
+    counts = (off.expand_as(lengths) + lengths) // segment_len
+    offsets = torch.cumsum(counts, 0) - counts
+    return counts, offsets
+
+
+def check_prefill_args(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
+                       initial_state: Tensor | None, segment_len: int,
+                       cu_seqlens: Tensor | None, mode: str, initial_seg_len,
+                       initial_ksum: Tensor | None, block_ids: Tensor | None,
+                       state_pool: Tensor | None, ksum_pool: Tensor | None) -> dict:
+    """Validate the prefill arguments; return the per-sequence layout (all int64, on q's device).
+
+    Keys: ``N`` sequences, ``bos``/``lens``/``off`` ``(N,)`` (start row in dim 1, tokens,
+    tokens already in the current segment), ``counts``/``offsets`` (see
+    :func:`boundary_layout`), ``total`` boundaries.
+    """
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"mode must be one of {PREFILL_MODES}, got {mode!r}")
+    if not isinstance(segment_len, int) or segment_len < 1:
+        raise ValueError(f"segment_len must be a positive integer, got {segment_len!r}")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must be (B, T, H, K) alike, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be (B, T, H, V), got {tuple(v.shape)}")
+    V = v.shape[3]
+    for name, g in (("log_a", log_a), ("b", b)):
+        if g is not None and g.shape != (B, T, H):
+            raise ValueError(f"{name} must be (B, T, H) = {(B, T, H)}, got {tuple(g.shape)}")
+    dev = q.device
+    if cu_seqlens is None:
+        N = B
+        bos = torch.zeros(N, dtype=torch.int64, device=dev)
+        lens = torch.full((N,), T, dtype=torch.int64, device=dev)
+    else:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch dim must be 1, got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be 1-D with N + 1 >= 2 entries")
+        cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+        N = cu.numel() - 1
+        bos, lens = cu[:-1], cu[1:] - cu[:-1]
+        if int(cu[0]) != 0 or int(cu[-1]) != T or bool((lens < 0).any()):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu_seqlens.tolist()}")
+    off = torch.as_tensor(initial_seg_len, dtype=torch.int64, device=dev).expand(N).contiguous()
+    if bool(((off < 0) | (off >= segment_len)).any()):
+        raise ValueError(f"initial_seg_len must lie in [0, segment_len={segment_len})")
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"initial_state must be (N, H, K, V) = {(N, H, K, V)}, got "
+                         f"{tuple(initial_state.shape)}")
+    if initial_ksum is not None and initial_ksum.shape != (N, H, K):
+        raise ValueError(f"initial_ksum must be (N, H, K) = {(N, H, K)}, got "
+                         f"{tuple(initial_ksum.shape)}")
+    counts, offsets = boundary_layout(lens, segment_len, off)
+    total = int(counts.sum())
+    given = [x is not None for x in (block_ids, state_pool, ksum_pool)]
+    if any(given) and not all(given):
+        raise ValueError("block_ids, state_pool and ksum_pool go together")
+    if block_ids is not None:
+        if block_ids.shape != (total,):
+            raise ValueError(f"block_ids must be ({total},): one id per completed segment, got "
+                             f"{tuple(block_ids.shape)}")
+        if state_pool.dim() != 4 or state_pool.shape[1:] != (H, K, V):
+            raise ValueError(f"state_pool must be (num_blocks, {H}, {K}, {V}), got "
+                             f"{tuple(state_pool.shape)}")
+        if ksum_pool.dim() != 3 or ksum_pool.shape[1:] != (H, K):
+            raise ValueError(f"ksum_pool must be (num_blocks, {H}, {K}), got "
+                             f"{tuple(ksum_pool.shape)}")
+    return dict(N=N, bos=bos, lens=lens, off=off, counts=counts, offsets=offsets, total=total)
+
+
+def _prefill_outputs(q: Tensor, v: Tensor, lay: dict, block_ids, state_pool, ksum_pool,
+                     output_final_state: bool, out: Tensor | None):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if out is None:
+        out = v.new_empty(B, T, H, V)
+    elif out.shape != (B, T, H, V):
+        raise ValueError(f"out must be {(B, T, H, V)}, got {tuple(out.shape)}")
+    if block_ids is None:
+        total = lay["total"]
+        state_pool = q.new_empty(total, H, K, V)
+        ksum_pool = q.new_empty(total, H, K)
+        block_ids = torch.arange(total, device=q.device)
+    final = q.new_empty(lay["N"], H, K, V) if output_final_state else None
+    return out, final, block_ids, state_pool, ksum_pool
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. paged MC decode readout (linear family)
+# ---------------------------------------------------------------------------------------------
+
+
+def _select(r: Tensor, top_k: int) -> Tensor:
+    """Columns of the ``top_k`` largest scores along the last dim, ties to the larger column
+    (the more recent block), best first. Same rule as ``MCMemory._select``."""
+    N = r.shape[-1]
+    order = torch.sort(r.flip(-1), dim=-1, descending=True, stable=True).indices
+    return N - 1 - order[..., :top_k]
+
+
+def _cached_scores(u: Tensor, ksum_pool: Tensor, tab: Tensor, segment_len: int) -> Tensor:
+    """r ``(B, H, N)`` = ⟨u, ksum/segment_len⟩/√K, ``-inf`` where the table holds -1."""
+    B, H, N = tab.shape
+    K = u.shape[-1]
+    valid = tab >= 0
+    h = torch.arange(H, device=u.device)[None, :, None]
+    ks = ksum_pool[tab.clamp_min(0), h].to(u.dtype)  # (B, H, N, K)
+    ks = torch.where(valid[..., None], ks, torch.zeros((), dtype=u.dtype, device=u.device))
+    r = torch.einsum("bhk,bhnk->bhn", u, ks) / (segment_len * math.sqrt(K))
+    return r.masked_fill(~valid, float("-inf"))
+
+
+def paged_mc_decode_linear_torch(
+    q: Tensor, u: Tensor, o_online: Tensor, p_online: Tensor, table: Tensor, pool_S: Tensor,
+    ksum_pool: Tensor, *, variant: str, segment_len: int, top_k: int = 2,
+    n_seg: Tensor | None = None, state_table: Tensor | None = None, out: Tensor | None = None,
+    row_top_k: Tensor | None = None,
+) -> Tensor:
+    """MC readout of one decode token per row over cached blocks read through a block table.
+
+    y = γ_on·o_online + Σ_i γ_i·S_iᵀq with S_i = ``pool_S[state_table[b, i]]`` (one per valid
+    table entry) and gates by ``variant``: ``grm``/``soup`` softmax over the cached scores
+    r_i = ⟨u, ksum_i/segment_len⟩/√K and the online score ⟨u, p_online⟩/√K; ``ssc`` the same
+    over the ``top_k`` best cached blocks (ties → more recent) plus the online memory (per
+    row ``min(row_top_k[b], top_k)`` when ``row_top_k`` ``(B,)`` is given: ``top_k`` is then
+    the largest count, a compile-time constant of the Triton kernel);
+    ``post`` 1/(n+1) each, n = ``n_seg[b]`` or else the row's valid entries; ``residual`` ones.
+
+    Shapes: q, u, p_online ``(B, H, K)``; o_online ``(B, H, V)`` (the online memory's readout
+    after this token's update); table/state_table ``(B, N)`` or ``(B, H, N)``; pool_S
+    ``(num_blocks, H, K, V)``; ksum_pool ``(num_blocks, H, K)``; n_seg ``(B,)``.
+    Returns y ``(B, H, V)`` in q's dtype (written into ``out`` when given).
+    """
+    tab, stab = check_decode_args(q, u, o_online, p_online, table, pool_S, ksum_pool, variant,
+                                  segment_len, top_k, n_seg, state_table, row_top_k)
+    B, H, K = q.shape
+    N = tab.shape[-1]
+    dt = q.dtype
+    valid = tab >= 0
+    if variant in ("residual", "post"):
+        if variant == "residual":
+            w_on = q.new_ones(B, H)
+        else:
+            n = (valid.sum(-1) if n_seg is None else n_seg[:, None].expand(B, H)).to(dt)
+            w_on = 1.0 / (n + 1.0)
+        w_c = valid.to(dt) * w_on[..., None]
+        ids = stab
+    else:
+        r_on = (u * p_online.to(dt)).sum(-1) / math.sqrt(K)  # (B, H)
+        r_c = _cached_scores(u, ksum_pool, tab, segment_len)  # (B, H, N)
+        ids = stab
+        if variant == "ssc" and (N > top_k or row_top_k is not None):  # only the selected
+            idx = _select(r_c, min(top_k, N))
+            r_c, ids, valid = r_c.gather(-1, idx), stab.gather(-1, idx), valid.gather(-1, idx)
+            if row_top_k is not None:  # rows asking for fewer picks drop the extra ones
+                valid = valid & _within_row_k(row_top_k, idx.shape[-1])
+                r_c = r_c.masked_fill(~valid, float("-inf"))
+        gamma = torch.softmax(torch.cat([r_c, r_on[..., None]], -1), -1)
+        w_c, w_on = gamma[..., :-1], gamma[..., -1]
+    h = torch.arange(H, device=q.device)[None, :, None]
+    S = pool_S[ids.clamp_min(0), h].to(dt)  # (B, H, n, K, V): the blocks this step reads
+    S = torch.where(valid[..., None, None], S, torch.zeros((), dtype=dt, device=q.device))
+    y = o_online.to(dt) * w_on[..., None] + torch.einsum("bhn,bhk,bhnkv->bhv", w_c, q, S)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def paged_mc_decode_linear_reference(
+    q: Tensor, u: Tensor, o_online: Tensor, p_online: Tensor, table: Tensor, pool_S: Tensor,
+    ksum_pool: Tensor, *, variant: str, segment_len: int, top_k: int = 2,
+    n_seg: Tensor | None = None, state_table: Tensor | None = None, out: Tensor | None = None,
+    row_top_k: Tensor | None = None,
+) -> Tensor:
+    """Plain per-row, per-head loop with the signature of :func:`paged_mc_decode_linear_torch`."""
+    tab, stab = check_decode_args(q, u, o_online, p_online, table, pool_S, ksum_pool, variant,
+                                  segment_len, top_k, n_seg, state_table, row_top_k)
+    B, H, K = q.shape
+    dt = q.dtype
+    y = o_online.new_zeros(o_online.shape, dtype=dt)
+    for bi in range(B):
+        for h in range(H):
+            cols = [n for n in range(tab.shape[-1]) if int(tab[bi, h, n]) >= 0]
+            reads = [pool_S[int(stab[bi, h, n]), h].to(dt).T @ q[bi, h] for n in cols]
+            if variant == "residual":
+                w = [1.0] * (len(cols) + 1)
+            elif variant == "post":
+                cnt = len(cols) if n_seg is None else int(n_seg[bi])
+                w = [1.0 / (cnt + 1)] * (len(cols) + 1)
+            else:
+                scores = [float(u[bi, h].double() @ ksum_pool[int(tab[bi, h, n]), h].double())
+                          / segment_len / math.sqrt(K) for n in cols]
+                r_on = float(u[bi, h].double() @ p_online[bi, h].double()) / math.sqrt(K)
+                keep = list(range(len(cols)))
+                if variant == "ssc":
+                    kk = top_k if row_top_k is None else min(top_k, int(row_top_k[bi]))
+                    keep = sorted(keep, key=lambda j: (scores[j], j), reverse=True)[:kk]
+                r = torch.tensor([scores[j] for j in keep] + [r_on], dtype=torch.float64)
+                g = torch.softmax(r, 0).tolist()
+                w = [0.0] * (len(cols) + 1)
+                for j, gj in zip(keep + [len(cols)], g):
+                    w[j] = gj
+            acc = w[-1] * o_online[bi, h].to(dt)
+            for j, rd in enumerate(reads):
+                if w[j]:
+                    acc = acc + w[j] * rd
+            y[bi, h] = acc
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. ssc router
+# ---------------------------------------------------------------------------------------------
+
+
+def _within_row_k(row_top_k: Tensor, k: int) -> Tensor:
+    """``(B, 1, k)`` bool: pick j of row b is kept iff j < row_top_k[b]."""
+    return (torch.arange(k, device=row_top_k.device) < row_top_k[:, None])[:, None, :]
+
+
+def _check_router(u: Tensor, ksum_pool: Tensor, table: Tensor, segment_len: int, top_k: int,
+                  row_top_k: Tensor | None = None) -> Tensor:
+    if not isinstance(segment_len, int) or segment_len < 1:
+        raise ValueError(f"segment_len must be a positive integer, got {segment_len!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if u.dim() != 3:
+        raise ValueError(f"u must be (B, H, K), got {tuple(u.shape)}")
+    B, H, K = u.shape
+    if ksum_pool.dim() != 3 or ksum_pool.shape[1:] != (H, K):
+        raise ValueError(f"ksum_pool must be (num_blocks, {H}, {K}), got "
+                         f"{tuple(ksum_pool.shape)}")
+    _check_row_top_k(row_top_k, B)
+    return _head_table(table, B, H)
+
+
+def ssc_router_torch(u: Tensor, ksum_pool: Tensor, table: Tensor, *, segment_len: int,
+                     top_k: int, row_top_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k cached blocks per row and head by r_i = ⟨u, ksum_i/segment_len⟩/√K.
+
+    u ``(B, H, K)``, ksum_pool ``(num_blocks, H, K)``, table ``(B, N)`` or ``(B, H, N)`` (-1
+    padded). Returns ``(indices, scores)``, both ``(B, H, top_k)``: *columns* of the table
+    (int64; gather the block ids with ``table.gather``), best first, ties → the more recent
+    (larger column); rows with fewer than ``top_k`` valid blocks are padded with index -1 and
+    score -inf. Scores are in u's dtype. ``row_top_k`` ``(B,)``: row b keeps only its first
+    ``row_top_k[b]`` picks (the rest padded the same way).
+    """
+    tab = _check_router(u, ksum_pool, table, segment_len, top_k, row_top_k)
+    B, H, N = tab.shape
+    r = _cached_scores(u, ksum_pool, tab, segment_len)
+    kk = min(top_k, N)
+    idx = _select(r, kk)
+    sc = r.gather(-1, idx)
+    drop = tab.gather(-1, idx) < 0
+    if row_top_k is not None:
+        drop = drop | ~_within_row_k(row_top_k, kk)
+    idx = idx.masked_fill(drop, -1)
+    sc = sc.masked_fill(drop, float("-inf"))
+    if kk < top_k:
+        idx = torch.cat([idx, idx.new_full((B, H, top_k - kk), -1)], -1)
+        sc = torch.cat([sc, sc.new_full((B, H, top_k - kk), float("-inf"))], -1)
+    return idx, sc
+
+
+def ssc_router_reference(u: Tensor, ksum_pool: Tensor, table: Tensor, *, segment_len: int,
+                         top_k: int, row_top_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Plain loop with the signature and result of :func:`ssc_router_torch`."""
+    tab = _check_router(u, ksum_pool, table, segment_len, top_k, row_top_k)
+    B, H, N = tab.shape
+    K = u.shape[-1]
+    idx = torch.full((B, H, top_k), -1, dtype=torch.int64, device=u.device)
+    sc = torch.full((B, H, top_k), float("-inf"), dtype=u.dtype, device=u.device)
+    for bi in range(B):
+        for h in range(H):
+            cand = [(float(u[bi, h].double() @ ksum_pool[int(tab[bi, h, n]), h].double())
+                     / segment_len / math.sqrt(K), n)
+                    for n in range(N) if int(tab[bi, h, n]) >= 0]
+            cand.sort(reverse=True)  # score, then the larger column first
+            kk = top_k if row_top_k is None else min(top_k, int(row_top_k[bi]))
+            for j, (s, n) in enumerate(cand[:kk]):
+                idx[bi, h, j] = n
+                sc[bi, h, j] = s
+    return idx, sc
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. chunked linear prefill with segment checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def _prefill_span(gla, q, k, v, log_a, b, S, ks0, off, C, independent, chunk_size):
+    """One batch of rows with the same length and segment offset. Returns o, final S, and the
+    (state, key sum) of every completed segment, oldest first."""
+    T = q.shape[1]
+    outs, bounds, pos, fill = [], [], 0, off
+    ksum = ks0
+    while pos < T:
+        n = min(T - pos, C - fill)
+        sl = slice(pos, pos + n)
+        o, S = gla(q[:, sl], k[:, sl], v[:, sl], None if log_a is None else log_a[:, sl],
+                   None if b is None else b[:, sl], S, chunk_size)
+        outs.append(o)
+        ksum = ksum + k[:, sl].sum(1)
+        pos, fill = pos + n, fill + n
+        if fill == C:
+            bounds.append((S, ksum))
+            ksum = torch.zeros_like(ksum)
+            fill = 0
+            if independent:
+                S = torch.zeros_like(S)
+    o = torch.cat(outs, 1) if outs else v.new_zeros(v.shape)
+    return o, S, bounds
+
+
+def _prefill_impl(gla, q, k, v, log_a, b, initial_state, *, segment_len, cu_seqlens, mode,
+                  initial_seg_len, initial_ksum, output_final_state, block_ids, state_pool,
+                  ksum_pool, out, chunk_size):
+    lay = check_prefill_args(q, k, v, log_a, b, initial_state, segment_len, cu_seqlens, mode,
+                             initial_seg_len, initial_ksum, block_ids, state_pool, ksum_pool)
+    out, final, block_ids, state_pool, ksum_pool = _prefill_outputs(
+        q, v, lay, block_ids, state_pool, ksum_pool, output_final_state, out)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = q.dtype
+    N = lay["N"]
+    S0 = (q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dt))
+    ks0 = q.new_zeros(N, H, K) if initial_ksum is None else initial_ksum.to(dt)
+    independent = mode == "independent"
+    off = lay["off"].tolist()
+    if cu_seqlens is None and len(set(off)) <= 1:  # all rows alike: one batched pass
+        groups = [(list(range(N)), slice(0, T), off[0] if off else 0)]
+        row_of = None
+    else:  # ragged: one pass per sequence
+        bos, lens = lay["bos"].tolist(), lay["lens"].tolist()
+        if cu_seqlens is None:
+            groups = [([i], slice(0, T), off[i]) for i in range(N)]
+            row_of = list(range(N))
+        else:
+            groups = [([i], slice(bos[i], bos[i] + lens[i]), off[i]) for i in range(N)]
+            row_of = [0] * N
+    counts, offsets = lay["counts"].tolist(), lay["offsets"].tolist()
+    for seqs, span, o_ in groups:
+        rows = seqs if row_of is None else [row_of[i] for i in seqs]
+        r = torch.tensor(rows, device=q.device)
+        s = torch.tensor(seqs, device=q.device)
+        pick = lambda x, r=r, span=span: None if x is None else x[r, span]  # noqa: E731
+        o, S, bounds = _prefill_span(gla, pick(q), pick(k), pick(v), pick(log_a), pick(b), S0[s],
+                                     ks0[s], o_, segment_len, independent, chunk_size)
+        out[r, span] = o.to(out.dtype)
+        if final is not None:
+            final[s] = S
+        for j, (Sj, kj) in enumerate(bounds):
+            ids = block_ids[torch.tensor([offsets[i] + j for i in seqs], device=q.device)]
+            assert all(counts[i] > j for i in seqs)
+            state_pool[ids] = Sj.to(state_pool.dtype)
+            ksum_pool[ids] = kj.to(ksum_pool.dtype)
+    return out, final, state_pool, ksum_pool
+
+
+def chunk_linear_prefill_torch(
+    q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None = None, b: Tensor | None = None,
+    initial_state: Tensor | None = None, *, segment_len: int, cu_seqlens: Tensor | None = None,
+    mode: str = "checkpoint", initial_seg_len: Tensor | int = 0,
+    initial_ksum: Tensor | None = None, output_final_state: bool = True,
+    block_ids: Tensor | None = None, state_pool: Tensor | None = None,
+    ksum_pool: Tensor | None = None, out: Tensor | None = None, chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """Gated linear attention S_t = a_t·S_{t-1} + b_t·k_t v_tᵀ, o_t = S_tᵀq_t (the online term of
+    MC prefill), also emitting the state and key sum at every segment boundary.
+
+    q, k ``(B, T, H, K)``; v ``(B, T, H, V)``; log_a (log of the decay a, ≤ 0) and b (write
+    gate) ``(B, T, H)`` or None (no decay / unit write); initial_state ``(N, H, K, V)`` or None
+    (zeros). Variable-length batches as in flash-linear-attention: B = 1 and ``cu_seqlens``
+    ``(N + 1,)`` (else N = B). ``initial_seg_len`` (int or ``(N,)``) = tokens each sequence
+    already has in its current segment, ``initial_ksum`` ``(N, H, K)`` their key sum (added to
+    that segment's sum). ``mode="independent"`` restarts the state from zero after every
+    completed segment (the final state is then zero when a sequence ends on a boundary).
+
+    Returns ``(o, final_state, boundary_states, boundary_ksums)``: o ``(B, T, H, V)``;
+    final_state ``(N, H, K, V)`` (None unless ``output_final_state``); the state after the last
+    token of every completed segment and that segment's key sum (Σ k, unweighted by b). Without
+    ``block_ids`` these are fresh ``(total, H, K, V)`` / ``(total, H, K)`` tensors laid out by
+    :func:`boundary_layout`; with ``block_ids`` ``(total,)`` they are written in place into
+    ``state_pool`` ``(num_blocks, H, K, V)`` / ``ksum_pool`` ``(num_blocks, H, K)`` at those
+    rows, and the pools are returned.
+    """
+    return _prefill_impl(chunk_gla, q, k, v, log_a, b, initial_state, segment_len=segment_len,
+                         cu_seqlens=cu_seqlens, mode=mode, initial_seg_len=initial_seg_len,
+                         initial_ksum=initial_ksum, output_final_state=output_final_state,
+                         block_ids=block_ids, state_pool=state_pool, ksum_pool=ksum_pool,
+                         out=out, chunk_size=chunk_size)
+
+
+def chunk_linear_prefill_reference(
+    q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None = None, b: Tensor | None = None,
+    initial_state: Tensor | None = None, *, segment_len: int, cu_seqlens: Tensor | None = None,
+    mode: str = "checkpoint", initial_seg_len: Tensor | int = 0,
+    initial_ksum: Tensor | None = None, output_final_state: bool = True,
+    block_ids: Tensor | None = None, state_pool: Tensor | None = None,
+    ksum_pool: Tensor | None = None, out: Tensor | None = None, chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """:func:`chunk_linear_prefill_torch` with the per-token recurrence (``naive_gla``)."""
+    return _prefill_impl(naive_gla, q, k, v, log_a, b, initial_state, segment_len=segment_len,
+                         cu_seqlens=cu_seqlens, mode=mode, initial_seg_len=initial_seg_len,
+                         initial_ksum=initial_ksum, output_final_state=output_final_state,
+                         block_ids=block_ids, state_pool=state_pool, ksum_pool=ksum_pool,
+                         out=out, chunk_size=chunk_size)
