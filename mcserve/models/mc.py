@@ -240,8 +240,10 @@ class MCMemory:
         else:
             p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
             r_on = (u[:, 0] * p_on).sum(-1)[:, None] / math.sqrt(K)  # (B, 1, H)
-            p_c = pl.ksum_pool[tb] / self.cfg.segment_len  # (B, N, H, K)
-            r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
+            # every cached block is a full segment: fold 1/(C·√K) into u, and score with a
+            # multiply-sum (an einsum here would first copy the gathered sums into a GEMM layout)
+            u_s = u[:, 0] / (self.cfg.segment_len * math.sqrt(K))  # (B, H, K)
+            r_c = (pl.ksum_pool[tb] * u_s[:, None]).sum(-1)[:, None]  # (B, 1, N, H)
             r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
             k_row = pl.top_k
             k_max = self.cfg.top_k if k_row is None else int(k_row.max())
@@ -367,7 +369,10 @@ class MCMemory:
             if N:
                 lens = torch.tensor(st.cached_len, dtype=q.dtype, device=q.device)
                 p_c = st.cached_ksum / lens[None, :, None, None]  # (B, N, H, K)
-                r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
+                if L == 1:  # decode: multiply-sum reads p_c once, no GEMM relayout
+                    r_c = (p_c * u).sum(-1)[:, None] / math.sqrt(K)
+                else:
+                    r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
             else:
                 r_c = q.new_zeros(B, L, 0, H)
             top_k = st.top_k or self.cfg.top_k
