@@ -189,8 +189,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from mcserve.engine.llm_engine import LLMEngine
         from mcserve.server.app import build_app
     except ImportError as e:
-        raise _cli_error(f"the server needs its extra dependencies ({e.name} is missing): "
-                         "pip install 'mcserve[serve]'") from None
+        raise _cli_error(f"the server's dependency {e.name} is missing; reinstall mcserve "
+                         "(pip install -e .)") from None
     try:
         config = engine_config_from_args(args)
         engine = LLMEngine(config)
