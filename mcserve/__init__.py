@@ -8,19 +8,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mcserve.config import MCConfig, ModelConfig
+from mcserve.config import EngineConfig, MCConfig, ModelConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["MCConfig", "MCForCausalLM", "ModelConfig", "__version__"]
+__all__ = ["LLM", "EngineConfig", "MCConfig", "MCForCausalLM", "ModelConfig", "SamplingParams",
+           "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from mcserve.engine.llm import LLM
+    from mcserve.engine.sampling import SamplingParams
     from mcserve.models.native import MCForCausalLM
+
+_LAZY = {
+    "MCForCausalLM": "mcserve.models.native",
+    "LLM": "mcserve.engine.llm",
+    "SamplingParams": "mcserve.engine.sampling",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "MCForCausalLM":
-        from mcserve.models.native import MCForCausalLM
+    if name in _LAZY:
+        import importlib
 
-        return MCForCausalLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mcserve' has no attribute {name!r}")
