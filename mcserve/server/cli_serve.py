@@ -25,6 +25,8 @@ import shlex
 import sys
 from typing import Any
 
+from mcserve.cli import _positive_int
+
 logger = logging.getLogger("mcserve.server")
 
 API_KEY_ENV = "MCSERVE_API_KEY"
@@ -33,16 +35,6 @@ _SERVE_ONLY = {
     "shutdown_timeout", "log_level", "access_log", "http", "loop", "func", "command",
     "_engine_flags",
 }
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {val}")
-    return val
 
 
 def _port(text: str) -> int:
