@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     from mcserve.server.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
+
+    from mcserve.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

@@ -22,32 +22,9 @@ from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
 from mcserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 from mcserve.models.native import MCForCausalLM
+from mcserve.models.registry import load_model
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-_MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
-
-
-def load_model(path: str | Path, config: EngineConfig) -> MCForCausalLM:
-    """Load a native checkpoint, applying the engine's MC overrides (post-hoc MC).
-
-    A variant that needs gate connectors u on a checkpoint trained without them uses u = q
-    (``share_uq``, the paper's parameter-free choice).
-    """
-    path = Path(path)
-    model = MCForCausalLM.from_pretrained(path, dtype=_DTYPES[config.dtype], device=config.device)
-    overrides = config.mc_overrides()
-    if not overrides:
-        return model
-    cfg = model.config.replace(**overrides)
-    if cfg.mc_variant in ("grm", "soup", "ssc", "loglinear") and not any(
-            "u_proj" in n for n, _ in model.named_parameters()):
-        cfg = cfg.replace(share_uq=True)
-    new = MCForCausalLM(cfg).to(dtype=_DTYPES[config.dtype], device=config.device)
-    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
-    if missing or [k for k in unexpected if "u_proj" not in k]:
-        raise ValueError(f"cannot apply MC overrides {overrides}: parameters {missing} missing")
-    return new
 
 
 @dataclass
@@ -73,8 +50,8 @@ class LLMEngine:
             if not (path / "config.json").is_file():
                 where = "the embedded default model" if not config.model else "MODEL"
                 raise ValueError(f"{where}: no checkpoint at {path} (config.json missing)")
-            _check_model_type(path)
-            model = load_model(path, config)
+            model = load_model(path, dtype=config.dtype, device=config.device,
+                               mc_overrides=config.mc_overrides())
             if tokenizer is None:
                 tok_dir = Path(config.tokenizer) if config.tokenizer else path
                 tokenizer = (Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file()
@@ -347,13 +324,3 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
-
-
-def _check_model_type(path: Path) -> None:
-    try:
-        mt = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path / 'config.json'}: cannot read ({e})") from e
-    if mt != "mcserve":
-        raise ValueError(f"{path / 'config.json'}: model_type {mt!r} is not supported; "
-                         f"supported: ['mcserve']")

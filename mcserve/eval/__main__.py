@@ -1,0 +1,5 @@
+import sys
+
+from mcserve.eval.cli import main
+
+sys.exit(main())

@@ -1,0 +1,198 @@
+"""``mcserve eval ppl`` and ``mcserve eval passkey``.
+
+Hook into the main CLI with ``add_eval_parser(subparsers)``; each subcommand sets
+``func=cmd_eval_ppl`` / ``cmd_eval_passkey`` (``args -> exit status``). Errors raise
+``mcserve.cli.CLIError`` (one line on stderr, status 2). ``python -m mcserve.eval`` runs the same
+commands without the rest of the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_LENGTHS = "512,1024,2048,4096"
+DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="checkpoint directory: mcserve, transformers Mamba2 or mamba_ssm Mamba2")
+    p.add_argument("--mc", default="post", metavar="SETTINGS",
+                   help="comma-separated post-hoc MC settings VARIANT[:SEGMENT_LEN[:MODE"
+                   "[:TOP_K]]] (variants: post, grm, ssc, loglinear, residual, none) and "
+                   "reset[:SEGMENT_LEN]; SEGMENT_LEN defaults to the model's training length "
+                   "(else 2048), MODE to independent for post and checkpoint otherwise; the model "
+                   "as is is always evaluated; '' for none (default: %(default)s)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="directory with tokenizer.json (default: MODEL's, else bytes)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--chunk", type=int, default=1024,
+                   help="tokens per forward call (memory vs speed; results do not depend on it)")
+    p.add_argument("--batch-size", type=int, default=1, help="windows/prompts run together")
+    p.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="PNG", help="draw the results with matplotlib")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``eval`` (with ``ppl`` and ``passkey``) to an argparse subparsers object."""
+    ev = subparsers.add_parser(
+        "eval", help="perplexity by context position and passkey retrieval, with post-hoc MC",
+        description="Evaluate a checkpoint with and without post-hoc Memory Caching.")
+    sub = ev.add_subparsers(dest="eval_command", metavar="EVAL", required=True)
+
+    ppl = sub.add_parser(
+        "ppl", help="perplexity versus context position",
+        description="Perplexity of a text (or JSONL of texts) in windows of each length, per "
+        "position bucket, for the model as is, each --mc setting and the segment-reset "
+        "baseline (reset:C for each MC segment length C).")
+    _common(ppl)
+    ppl.add_argument("--data", required=True, metavar="FILE",
+                     help=".txt, .jsonl of texts, or .bin of uint16 token ids")
+    ppl.add_argument("--lengths", default=DEFAULT_LENGTHS,
+                     help="window lengths in tokens (default: %(default)s)")
+    ppl.add_argument("--max-windows", type=int, default=8,
+                     help="windows per length at most (default: %(default)s)")
+    ppl.add_argument("--buckets", metavar="EDGES",
+                     help="position bucket edges, e.g. 0,256,512,1024 (default: 0, L/2, L, 2L, "
+                     "4L, ... for the shortest length L)")
+    ppl.add_argument("--no-reset", action="store_true",
+                     help="do not add the segment-reset baselines")
+    ppl.set_defaults(func=cmd_eval_ppl)
+
+    pk = sub.add_parser(
+        "passkey", help="S-NIAH-1 passkey retrieval accuracy by length and depth",
+        description="A random 5-digit key hidden at a depth of filler text, then asked for; "
+        "greedy decoding; accuracy per length x depth for the model as is and each --mc "
+        "setting.")
+    _common(pk)
+    pk.add_argument("--lengths", default="256,512,1024,2048",
+                    help="prompt lengths in tokens (default: %(default)s)")
+    pk.add_argument("--depths", default=DEFAULT_DEPTHS,
+                    help="needle depths in [0, 1] (default: %(default)s)")
+    pk.add_argument("--trials", type=int, default=5, help="keys per cell (default: %(default)s)")
+    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument("--reset", action="store_true",
+                    help="also run the segment-reset baseline for each MC segment length")
+    pk.set_defaults(func=cmd_eval_passkey)
+    return ev
+
+
+def _error(msg: str):
+    from mcserve.cli import CLIError
+
+    return CLIError(msg)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _prepare(args):
+    from mcserve.eval.common import default_segment_len, load_tokenizer, parse_settings
+    from mcserve.models.registry import load_model
+
+    for name in ("chunk", "batch_size"):
+        if getattr(args, name) < 1:
+            raise _error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        model = load_model(args.model, dtype=args.dtype, device=args.device)
+        tok = load_tokenizer(args.tokenizer or args.model)
+        with_reset = not args.no_reset if hasattr(args, "no_reset") else args.reset
+        settings = parse_settings(args.mc, default_segment_len(model), with_reset=with_reset)
+    except (ValueError, OSError) as e:
+        raise _error(_first_line(e)) from None
+    return model, tok, settings
+
+
+def _finish(args, report, format_table, plot) -> int:
+    out = sys.stdout if args.json != "-" else sys.stderr
+    print(format_table(report), file=out)
+    if args.json:
+        from mcserve.eval.common import write_json
+
+        write_json(args.json, report)
+    if args.plot:
+        try:
+            plot(report, args.plot, title=str(args.model))
+        except ImportError:
+            raise _error("--plot needs matplotlib (pip install matplotlib)") from None
+    return 0
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from mcserve.eval.common import parse_int_list
+    from mcserve.eval.ppl import (
+        evaluate_ppl,
+        format_table,
+        plot,
+        read_texts,
+        read_token_file,
+        tokenize_texts,
+    )
+
+    if args.max_windows < 1:
+        raise _error("--max-windows must be >= 1")
+    try:
+        lengths = parse_int_list(args.lengths, "--lengths")
+        buckets = (sorted({0, *[int(x) for x in args.buckets.split(",") if x.strip()]})
+                   if args.buckets else None)
+    except ValueError as e:
+        raise _error(_first_line(e)) from None
+    model, tok, settings = _prepare(args)
+    try:
+        if str(args.data).endswith(".bin"):
+            ids = read_token_file(args.data)
+            if ids and max(ids) >= model.config.vocab_size:
+                raise ValueError(f"{args.data} holds token id {max(ids)} but the model's "
+                                 f"vocab_size is {model.config.vocab_size}")
+        else:
+            ids = tokenize_texts(read_texts(args.data), tok, model.config.vocab_size)
+        report = evaluate_ppl(model, ids, lengths, settings, max_windows=args.max_windows,
+                              batch_size=args.batch_size, chunk=args.chunk, buckets=buckets,
+                              show_progress=not args.no_progress)
+    except ValueError as e:
+        raise _error(_first_line(e)) from None
+    report.update(model=str(args.model), data=str(args.data), dtype=args.dtype,
+                  device=args.device)
+    return _finish(args, report, format_table, plot)
+
+
+def cmd_eval_passkey(args: argparse.Namespace) -> int:
+    from mcserve.eval.common import parse_float_list, parse_int_list
+    from mcserve.eval.passkey import evaluate_passkey, format_table, plot
+
+    if args.trials < 1:
+        raise _error("--trials must be >= 1")
+    try:
+        lengths = parse_int_list(args.lengths, "--lengths")
+        depths = parse_float_list(args.depths, "--depths")
+    except ValueError as e:
+        raise _error(_first_line(e)) from None
+    model, tok, settings = _prepare(args)
+    try:
+        report = evaluate_passkey(model, tok, lengths, depths, settings, trials=args.trials,
+                                  seed=args.seed, chunk=args.chunk, batch_size=args.batch_size,
+                                  show_progress=not args.no_progress)
+    except ValueError as e:
+        raise _error(_first_line(e)) from None
+    report.update(model=str(args.model), dtype=args.dtype, device=args.device)
+    return _finish(args, report, format_table, plot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mcserve.eval ppl|passkey ...`` (the same as ``mcserve eval ...``)."""
+    from mcserve.cli import CLIError
+
+    parser = argparse.ArgumentParser(prog="mcserve")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_eval_parser(sub)
+    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"mcserve: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,398 @@
+"""Mamba2 on mcserve's ``linear`` memory family, so Memory Caching and the engine apply to it.
+
+Mamba2's SSM is gated linear attention with a scalar decay per head (SSD):
+
+    S_t = exp(Δ_t·A)·S_{t-1} + Δ_t·B_t x_tᵀ,    y_t = S_tᵀ C_t + D·x_t
+
+with S ∈ R^{N×P} per head (N = ``state_size``, P = ``head_dim``). On ``LinearMemory`` that is
+log_a = Δ_t·A (A = −exp(A_log) < 0), b = Δ_t, k = B_t, v = x_t, q = C_t, so K = N and V = P.
+Δ_t = softplus(dt_t + dt_bias), clamped to ``time_step_limit``. B and C come in ``n_groups``
+groups shared by consecutive heads. Around the SSM: one input projection to (z, x, B, C, dt), a
+short causal depthwise conv (with bias) + SiLU over (x, B, C), the D skip, a gated RMSNorm
+(``norm(y·silu(z))`` per group, or ``norm(y)·silu(z)`` with ``norm_before_gate``) and the output
+projection. Blocks are pre-norm residual (RMSNorm → mixer), then a final RMSNorm and the LM head.
+
+Post-hoc MC (DESIGN.md §1.3): the memory of every layer is wrapped in ``MCMemory`` with the
+checkpoint's MC settings (``mc_variant`` etc. in :class:`Mamba2Config`); the gated variants use
+u_t = q_t = C_t (``share_uq``), so no weights are added. ``mc_variant="none"`` is the model as
+trained, and equals transformers' ``Mamba2ForCausalLM`` to float rounding.
+
+The model class exposes the interface of ``MCForCausalLM`` that the engine uses: ``.config``,
+``init_state``, ``forward(ids, state)``, ``forward_paged(ids, layers)``, ``layers[i].mixer``
+(``.memory``, ``.init_memory()``, ``.init_state(batch, dtype, device)``), ``.dtype``,
+``.device`` and ``generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mcserve.config import MCConfig, validate_mc
+from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.memory.linear import LinearMemory
+from mcserve.models.native import LayerState, MCForCausalLM, ModelState
+
+#: used for ``segment_len`` when the checkpoint records no training length
+DEFAULT_SEGMENT_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Architecture of a Mamba2 LM plus the post-hoc MC settings applied to it.
+
+    Field names follow mcserve's ``ModelConfig`` where the engine reads them (``vocab_size``,
+    ``d_model``, ``n_layers``, ``n_heads``, ``head_dim`` = the value dim V = P, ``memory``,
+    ``mc_*``, ``segment_len``); ``state_size`` is the key dim K = N.
+    """
+
+    vocab_size: int = 256  # rows of the embedding / LM head (already padded)
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    head_dim: int = 32  # P: value dim of the memory
+    state_size: int = 16  # N: key dim of the memory
+    n_groups: int = 1
+    conv_size: int = 4
+    use_bias: bool = False  # in_proj / out_proj
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5  # block and final RMSNorms
+    gated_norm_eps: float = 1e-5  # the gated RMSNorm inside the mixer
+    rmsnorm: bool = True  # gated RMSNorm; False: y·silu(z)
+    norm_before_gate: bool = False
+    d_has_hdim: bool = False  # D per channel (H·P) instead of per head
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = False
+    unpadded_vocab_size: int | None = None  # the tokenizer's vocab when the rows were padded
+    max_position_embeddings: int | None = None  # the training length, when the source records it
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # post-hoc Memory Caching (u = q, no learned weights)
+    mc_variant: str = "none"
+    mc_mode: str = "checkpoint"
+    segment_len: int = DEFAULT_SEGMENT_LEN
+    mc_top_k: int = 2
+    memory: str = "linear"
+    share_uq: bool = True
+    model_type: str = "mamba2"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "state_size",
+                     "n_groups", "conv_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_groups "
+                             f"({self.n_groups})")
+        if self.memory != "linear":
+            raise ValueError(f"Mamba2 runs on the 'linear' memory family, got {self.memory!r}")
+        if self.model_type != "mamba2":
+            raise ValueError(f"model_type must be 'mamba2', got {self.model_type!r}")
+        if not self.share_uq:
+            raise ValueError("Mamba2 has no gate connectors: share_uq must be True (u = q)")
+        lo, hi = self.time_step_limit
+        if not 0 <= lo < hi:
+            raise ValueError(f"time_step_limit must be (lo, hi) with 0 <= lo < hi, got "
+                             f"{self.time_step_limit!r}")
+        object.__setattr__(self, "time_step_limit", (float(lo), float(hi)))
+        validate_mc(self.mc_variant, self.mc_mode, self.segment_len, self.mc_top_k)
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def mc(self) -> MCConfig:
+        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
+                        top_k=self.mc_top_k, share_uq=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["time_step_limit"] = list(self.time_step_limit)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Mamba2Config:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
+        data = dict(data)
+        if "time_step_limit" in data:
+            data["time_step_limit"] = tuple(float(x) for x in data["time_step_limit"])
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> Mamba2Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _up(x: Tensor) -> Tensor:
+    """Half precision → float32 (as transformers computes norms and Δ); float64 stays."""
+    return x.float() if x.element_size() < 4 else x
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · w, computed in float32 at least (as transformers' Mamba2RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = _up(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over groups of ``group_size`` channels, gated by silu(z) before or after it."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool):
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: Tensor, z: Tensor) -> Tensor:
+        dtype = y.dtype
+        h = _up(y)
+        if not self.norm_before_gate:
+            h = h * F.silu(_up(z))
+        *pre, d = h.shape
+        g = h.view(*pre, d // self.group_size, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = g.view(*pre, d)
+        if self.norm_before_gate:
+            h = h * F.silu(_up(z))
+        return self.weight * h.to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj → (z, xBC, dt); causal conv + SiLU on xBC; SSD as MC linear memory; D skip;
+    gated RMSNorm; out_proj. Parameter names match transformers' ``Mamba2Mixer``."""
+
+    def __init__(self, cfg: Mamba2Config, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.H, self.P, self.N, self.G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        d_inner, conv_dim = cfg.d_inner, cfg.conv_dim
+        self.in_proj = nn.Linear(cfg.d_model, d_inner + conv_dim + self.H, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_size, groups=conv_dim,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(self.H))
+        self.A_log = nn.Parameter(torch.zeros(self.H))
+        self.D = nn.Parameter(torch.ones(d_inner if cfg.d_has_hdim else self.H))
+        self.norm = (GatedRMSNorm(d_inner, d_inner // self.G, cfg.gated_norm_eps,
+                                  cfg.norm_before_gate) if cfg.rmsnorm else None)
+        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=cfg.use_bias)
+        self.family = LinearMemory()
+        self.memory = MCMemory(self.family, cfg.mc)
+
+    # ------------------------------------------------------------------ engine interface
+    def init_memory(self) -> None:
+        return None  # the linear family starts from zero
+
+    def init_state(self, batch: int, dtype: torch.dtype, device) -> LayerState:
+        mc = self.memory.init_state(batch, self.H, self.N, self.P, dtype=dtype, device=device)
+        conv = torch.zeros(batch, self.cfg.conv_size - 1, self.cfg.conv_dim, dtype=dtype,
+                           device=device)
+        return LayerState(mc, conv)
+
+    # ------------------------------------------------------------------ pieces
+    def _project(self, x: Tensor, conv_tail: Tensor):
+        """x ``(B, T, D)`` → z, x_h ``(B, T, H, P)``, q, k, u ``(B, T, H, N)``, gates, tail."""
+        B, T, _ = x.shape
+        cfg = self.cfg
+        H, P, N, G = self.H, self.P, self.N, self.G
+        z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, H], dim=-1)
+        full = torch.cat([conv_tail.to(xbc.dtype), xbc], dim=1)  # (B, w-1+T, C)
+        conv_tail = full[:, full.shape[1] - (cfg.conv_size - 1):]
+        # depthwise causal conv as w shifted multiply-adds (faster than grouped conv1d on CPU)
+        w = self.conv1d.weight[:, 0]  # (C, w)
+        out = full[:, :T] * w[:, 0]
+        for j in range(1, w.shape[1]):
+            out = out + full[:, j:j + T] * w[:, j]
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias
+        xbc = F.silu(out)
+        xs, Bm, Cm = xbc.split([cfg.d_inner, G * N, G * N], dim=-1)
+        xs = xs.reshape(B, T, H, P)
+        rep = H // G
+        k = Bm.reshape(B, T, G, N).repeat_interleave(rep, dim=2)  # (B, T, H, N)
+        q = Cm.reshape(B, T, G, N).repeat_interleave(rep, dim=2)
+        delta = F.softplus(_up(dt) + _up(self.dt_bias))  # (B, T, H)
+        lo, hi = cfg.time_step_limit
+        if lo > 0 or hi != math.inf:
+            delta = delta.clamp(lo, hi)
+        A = -torch.exp(_up(self.A_log))  # (H,)
+        gates = {"log_a": (delta * A).to(xs.dtype), "b": delta.to(xs.dtype)}
+        return z, xs, q, k, gates, conv_tail
+
+    def _output(self, z: Tensor, xs: Tensor, y: Tensor) -> Tensor:
+        B, T, H, P = xs.shape
+        D = self.D.to(y.dtype)
+        y = y + xs * (D.view(H, P) if self.cfg.d_has_hdim else D[:, None])
+        y = y.reshape(B, T, H * P)
+        y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
+        return self.out_proj(y.to(self.out_proj.weight.dtype))
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        z, xs, q, k, gates, conv = self._project(x, state.conv)
+        y, mc = self.memory.forward(state.mc, q, k, xs, q, gates)
+        return self._output(z, xs, y), LayerState(mc, conv)
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
+        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv)
+        return self._output(z, xs, self.memory.decode_paged(pl, q, k, xs, q, gates))
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, cfg: Mamba2Config, layer_idx: int):
+        super().__init__()
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = Mamba2Mixer(cfg, layer_idx)
+
+    def _residual(self, x: Tensor, h: Tensor) -> Tensor:
+        if self.residual_in_fp32:
+            dt = torch.promote_types(x.dtype, torch.float32)
+            return x.to(dt) + h.to(dt)
+        return x + h.to(x.dtype)
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        h, state = self.mixer(self.norm(x.to(self.norm.weight.dtype)), state)
+        return self._residual(x, h), state
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        return self._residual(x, self.mixer.forward_paged(
+            self.norm(x.to(self.norm.weight.dtype)), pl))
+
+
+class Mamba2MCForCausalLM(nn.Module):
+    """Mamba2 language model with post-hoc Memory Caching (model_type ``mamba2``).
+
+    State-dict names: ``embed.weight``, ``layers.{i}.norm.weight``, ``layers.{i}.mixer.*``
+    (as in transformers), ``norm_f.weight``, ``lm_head.weight``. Use
+    ``mcserve.models.registry.load_model`` to read a transformers or ``mamba_ssm`` directory.
+    """
+
+    def __init__(self, config: Mamba2Config):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Mamba2Block(config, i) for i in range(config.n_layers))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def init_state(self, batch: int = 1) -> ModelState:
+        return ModelState([blk.mixer.init_state(batch, self.dtype, self.device)
+                           for blk in self.layers])
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm_f(x.to(self.dtype)))
+
+    def forward(self, input_ids: Tensor, state: ModelState | None = None
+                ) -> tuple[Tensor, ModelState]:
+        """input_ids ``(B, T)`` → logits ``(B, T, vocab)`` and the state after the last token."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, tokens), got shape "
+                             f"{tuple(input_ids.shape)}")
+        if state is None:
+            state = self.init_state(input_ids.shape[0])
+        x = self.embed(input_ids)
+        new_layers = []
+        for blk, ls in zip(self.layers, state.layers, strict=True):
+            x, ls = blk(x, ls)
+            new_layers.append(ls)
+        return self._head(x), replace(state, layers=new_layers)
+
+    def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
+        """Decode one token for each row of a ragged batch: ``(B, 1)`` → logits ``(B, 1, V)``."""
+        x = self.embed(input_ids)
+        for blk, pl in zip(self.layers, layers, strict=True):
+            x = blk.forward_paged(x, pl)
+        return self._head(x)
+
+    # same single-sequence generation loop as the native model (it only calls self(...))
+    generate = MCForCausalLM.generate
+
+    def with_mc(self, **mc: Any) -> Mamba2MCForCausalLM:
+        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
+        new = Mamba2MCForCausalLM(self.config.replace(**mc))
+        new.load_state_dict(self.state_dict())
+        return new.to(device=self.device, dtype=self.dtype).eval()
+
+    # ------------------------------------------------------------------ export
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The weights under transformers' ``Mamba2ForCausalLM`` names."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name == "embed.weight":
+                out["backbone.embeddings.weight"] = t
+            elif name == "lm_head.weight":
+                out[name] = t
+            else:
+                out["backbone." + name] = t
+        return out
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write a transformers-format directory (config.json + model.safetensors)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        c = self.config
+        cfg = {
+            "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"],
+            "vocab_size": c.vocab_size, "hidden_size": c.d_model,
+            "num_hidden_layers": c.n_layers, "num_heads": c.n_heads, "head_dim": c.head_dim,
+            "state_size": c.state_size, "n_groups": c.n_groups, "conv_kernel": c.conv_size,
+            "expand": (c.d_inner // c.d_model if c.d_inner % c.d_model == 0
+                       else c.d_inner / c.d_model),
+            "use_bias": c.use_bias, "use_conv_bias": c.use_conv_bias,
+            "layer_norm_epsilon": c.norm_eps, "residual_in_fp32": c.residual_in_fp32,
+            "time_step_limit": [c.time_step_limit[0],
+                                c.time_step_limit[1] if math.isfinite(c.time_step_limit[1])
+                                else {"__float__": "Infinity"}],
+            "tie_word_embeddings": c.tie_embeddings, "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
+        }
+        if c.max_position_embeddings is not None:
+            cfg["max_position_embeddings"] = c.max_position_embeddings
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        tensors = {k: v.detach().to("cpu").contiguous().clone()
+                   for k, v in self.hf_state_dict().items()}
+        if c.tie_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path

@@ -1,0 +1,485 @@
+"""Importer registry: one loader per ``model_type``, so more pretrained families can follow.
+
+``load_model(path, dtype=..., device=..., mc_overrides={...})`` reads a checkpoint directory of
+any supported format and returns a model with the interface the engine drives (that of
+``MCForCausalLM``), with the requested Memory Caching settings applied post hoc.
+
+Supported layouts (``detect_format``):
+
+* ``mcserve``: mcserve's own checkpoint (``config.json`` with ``model_type: mcserve`` +
+  ``model.safetensors``);
+* ``transformers`` Mamba2: ``config.json`` with ``model_type: mamba2`` and ``model.safetensors``,
+  sharded safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (read with
+  ``weights_only=True``; sharded ``pytorch_model.bin.index.json`` too);
+* ``mamba_ssm`` Mamba2 (the original state-spaces format): ``config.json`` with ``d_model``,
+  ``n_layer``, ``ssm_cfg`` (``layer: Mamba2``), ``vocab_size``, ``pad_vocab_size_multiple``...,
+  and ``pytorch_model.bin``.
+
+Post-hoc MC defaults: an imported model starts as trained (``mc_variant="none"``); ``segment_len``
+defaults to the training length when the config records one (``max_position_embeddings``,
+``max_seq_len``, ``seq_len``, ``n_ctx`` or ``training_seq_len``), else 2048. Setting
+``mc_variant`` without ``mc_mode`` picks ``independent`` for ``post`` (the paper's post-training
+recipe) and ``checkpoint`` for ``loglinear``; other variants keep the model's mode.
+
+Every way a directory can be wrong raises :class:`CheckpointError` (a ``ValueError``) naming the
+file and, for tensors, the tensor and the shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mcserve.config import MODES, VARIANTS
+from mcserve.models.checkpoint import CheckpointError
+
+__all__ = [
+    "CheckpointError", "Importer", "apply_mc", "detect_format", "load_model", "read_config",
+    "register", "supported_model_types",
+]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+_MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
+#: config.json keys that record the training context length, in order of preference
+TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
+                        "training_seq_len")
+
+
+@dataclass(frozen=True)
+class Importer:
+    model_type: str
+    #: ``(path, config dict, layout) -> model`` (weights loaded, eval mode, float32, cpu)
+    load: Callable[[Path, dict, str], nn.Module]
+    description: str
+
+
+_REGISTRY: dict[str, Importer] = {}
+
+
+def register(model_type: str, load: Callable[[Path, dict, str], nn.Module],
+             description: str = "") -> None:
+    """Add (or replace) the importer for ``model_type``."""
+    _REGISTRY[model_type] = Importer(model_type, load, description)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# ---------------------------------------------------------------------------- config / format
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is not a directory")
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} is not a model directory")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"), object_hook=_float_hook)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _float_hook(obj: dict) -> Any:
+    # transformers writes non-finite floats as {"__float__": "Infinity"}
+    if set(obj) == {"__float__"}:
+        return float(obj["__float__"])
+    return obj
+
+
+def detect_format(path: str | Path) -> tuple[str, str]:
+    """``(model_type, layout)`` of a checkpoint directory, e.g. ``("mamba2", "mamba_ssm")``.
+
+    layout is ``"mcserve"``, ``"transformers"`` or ``"mamba_ssm"``. An unknown ``model_type`` is a
+    ``CheckpointError`` listing the supported ones.
+    """
+    path = Path(path)
+    cfg = read_config(path)
+    file = path / "config.json"
+    mt = cfg.get("model_type")
+    if mt is None:
+        if {"d_model", "n_layer"} <= set(cfg) and "ssm_cfg" in cfg:
+            layer = (cfg.get("ssm_cfg") or {}).get("layer", "Mamba1")
+            if layer != "Mamba2":
+                raise CheckpointError(
+                    f"{file}: mamba_ssm checkpoint with ssm_cfg.layer={layer!r}; only 'Mamba2' "
+                    f"is supported (supported model types: {supported_model_types()})")
+            return "mamba2", "mamba_ssm"
+        if {"d_model", "n_layers", "vocab_size"} <= set(cfg):
+            return "mcserve", "mcserve"  # native configs written before model_type was recorded
+        raise CheckpointError(
+            f"{file} has no model_type and is not a mamba_ssm config (d_model, n_layer, "
+            f"ssm_cfg); supported model types: {supported_model_types()}")
+    if mt not in _REGISTRY:
+        raise CheckpointError(f"{file}: model_type {mt!r} is not supported; supported model "
+                              f"types: {supported_model_types()}")
+    return mt, ("mcserve" if mt == "mcserve" else "transformers")
+
+
+# ---------------------------------------------------------------------------- MC overrides
+def resolve_mc(current: dict[str, Any], overrides: dict[str, Any] | None,
+               default_segment_len: int | None = None) -> dict[str, Any]:
+    """The MC fields after ``overrides`` (see the module docstring for the defaults)."""
+    ov = {k: v for k, v in (overrides or {}).items() if v is not None}
+    bad = sorted(set(ov) - set(_MC_KEYS))
+    if bad:
+        raise ValueError(f"unknown MC override(s) {bad}; known: {list(_MC_KEYS)}")
+    if "mc_variant" in ov and ov["mc_variant"] not in VARIANTS:
+        raise ValueError(f"mc_variant={ov['mc_variant']!r} is not one of {VARIANTS}")
+    if "mc_mode" in ov and ov["mc_mode"] not in MODES:
+        raise ValueError(f"mc_mode={ov['mc_mode']!r} is not one of {MODES}")
+    out = {k: current[k] for k in _MC_KEYS}
+    out.update(ov)
+    if "mc_variant" in ov and "mc_mode" not in ov:
+        if ov["mc_variant"] == "post":
+            out["mc_mode"] = "independent"
+        elif ov["mc_variant"] == "loglinear":
+            out["mc_mode"] = "checkpoint"
+    if "segment_len" not in ov and default_segment_len and current["mc_variant"] == "none":
+        out["segment_len"] = default_segment_len
+    return out
+
+
+def apply_mc(model: nn.Module, overrides: dict[str, Any] | None) -> nn.Module:
+    """``model`` with other MC settings (a new module sharing nothing; same dtype/device).
+
+    Native models trained without gate connectors get u = q (``share_uq``) for the gated
+    variants. Returns ``model`` itself when nothing changes.
+    """
+    cfg = model.config
+    current = {k: getattr(cfg, k) for k in _MC_KEYS}
+    default_len = getattr(cfg, "max_position_embeddings", None)
+    new = resolve_mc(current, overrides, default_len)
+    if new == current:
+        return model
+    from mcserve.models.mamba2 import Mamba2MCForCausalLM
+
+    if isinstance(model, Mamba2MCForCausalLM):
+        return model.with_mc(**new)
+    from mcserve.models.native import MCForCausalLM
+
+    ncfg = cfg.replace(**new)
+    has_u = any("u_proj" in n for n, _ in model.named_parameters())
+    if ncfg.mc_variant in ("grm", "soup", "ssc", "loglinear") and not has_u:
+        ncfg = ncfg.replace(share_uq=True)
+    out = MCForCausalLM(ncfg).to(dtype=model.dtype, device=model.device)
+    missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
+    if missing or [k for k in unexpected if "u_proj" not in k]:
+        raise ValueError(f"cannot apply MC overrides {overrides}: parameters "
+                         f"{missing or unexpected} do not match")
+    return out.eval()
+
+
+# ---------------------------------------------------------------------------- loading
+def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
+               device: str | torch.device = "cpu", mc_overrides: dict[str, Any] | None = None
+               ) -> nn.Module:
+    """Load any supported checkpoint directory and apply MC overrides; eval mode.
+
+    ``dtype`` is a torch dtype or one of ``"float32"``, ``"float64"``, ``"bfloat16"``;
+    None keeps float32. ``mc_overrides`` holds any of ``mc_variant``, ``mc_mode``,
+    ``segment_len``, ``mc_top_k`` (None values are ignored).
+    """
+    path = Path(path)
+    model_type, layout = detect_format(path)
+    cfg = read_config(path)
+    model = _REGISTRY[model_type].load(path, cfg, layout)
+    model = apply_mc(model, mc_overrides)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    model = model.to(device=device)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return model.eval()
+
+
+def _load_native(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.native import MCForCausalLM
+
+    return MCForCausalLM.from_pretrained(path)
+
+
+# ---------------------------------------------------------------------------- weights
+def read_weights(path: Path) -> tuple[dict[str, Tensor], dict[str, Path]]:
+    """All tensors of a transformers-style directory and the file each came from.
+
+    Looks for ``model.safetensors``, ``model.safetensors.index.json``, ``pytorch_model.bin``,
+    ``pytorch_model.bin.index.json`` in that order.
+    """
+    candidates = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                  "pytorch_model.bin.index.json")
+    for name in candidates:
+        file = path / name
+        if not file.is_file():
+            continue
+        if name.endswith(".index.json"):
+            return _read_sharded(file)
+        tensors = _read_file(file)
+        return tensors, {k: file for k in tensors}
+    raise CheckpointError(f"{path} has no weights: expected one of {list(candidates)}")
+
+
+def _read_file(file: Path) -> dict[str, Tensor]:
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                return {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as e:  # safetensors raises its own types
+            raise CheckpointError(f"{file} is not a readable safetensors file: "
+                                  f"{_first_line(e)}") from None
+    try:
+        sd = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle errors, zip errors, unsafe globals...
+        raise CheckpointError(f"{file} is not a readable torch checkpoint (loaded with "
+                              f"weights_only=True): {_first_line(e)}") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
+        raise CheckpointError(f"{file} does not hold a state dict of tensors")
+    return dict(sd)
+
+
+def _read_sharded(index: Path) -> tuple[dict[str, Tensor], dict[str, Path]]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid shard index (needs a 'weight_map' "
+                              f"object): {_first_line(e)}") from None
+    tensors: dict[str, Tensor] = {}
+    origin: dict[str, Path] = {}
+    for shard in sorted(set(weight_map.values())):
+        file = index.parent / shard
+        if not file.is_file():
+            names = sorted(k for k, v in weight_map.items() if v == shard)
+            raise CheckpointError(f"{index} lists shard {shard!r} (for tensor {names[0]!r}"
+                                  f"{' and more' if len(names) > 1 else ''}) but {file} is "
+                                  f"missing")
+        got = _read_file(file)
+        for name, t in got.items():
+            tensors[name] = t
+            origin[name] = file
+    for name, shard in weight_map.items():
+        if name not in tensors:
+            raise CheckpointError(f"{index}: tensor {name!r} is mapped to "
+                                  f"{shard!r} but {index.parent / shard} does not hold it")
+    return tensors, origin
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _listed(names, n: int = 8) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(repr(x) for x in names[:n]) + more
+
+
+# ---------------------------------------------------------------------------- Mamba2
+def _training_length(cfg: dict) -> int | None:
+    for key in TRAINING_LENGTH_KEYS:
+        val = cfg.get(key)
+        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+            return val
+    return None
+
+
+def mamba2_config_from_hf(cfg: dict, file: Path):
+    """A ``Mamba2Config`` from a transformers ``Mamba2Config`` dict."""
+    from mcserve.models.mamba2 import DEFAULT_SEGMENT_LEN, Mamba2Config
+
+    def get(key, default=None, required=False):
+        if key not in cfg:
+            if required:
+                raise CheckpointError(f"{file}: required key {key!r} is missing")
+            return default
+        return cfg[key]
+
+    d_model = get("hidden_size", required=True)
+    n_heads = get("num_heads", 128)
+    head_dim = get("head_dim", 64)
+    expand = get("expand", 2)
+    if isinstance(d_model, int) and abs(expand * d_model - n_heads * head_dim) > 1e-6:
+        raise CheckpointError(f"{file}: hidden_size * expand ({d_model} * {expand}) must equal "
+                              f"num_heads * head_dim ({n_heads} * {head_dim})")
+    act = get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
+    train_len = _training_length(cfg)
+    mc = {k: cfg[k] for k in _MC_KEYS if k in cfg}
+    limit = get("time_step_limit", (0.0, math.inf)) or (0.0, math.inf)
+    eos = get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    try:
+        return Mamba2Config(
+            vocab_size=get("vocab_size", required=True), d_model=d_model,
+            n_layers=get("num_hidden_layers", required=True), n_heads=n_heads,
+            head_dim=head_dim, state_size=get("state_size", 128), n_groups=get("n_groups", 1),
+            conv_size=get("conv_kernel", 4), use_bias=bool(get("use_bias", False)),
+            use_conv_bias=bool(get("use_conv_bias", True)),
+            norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+            gated_norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+            time_step_limit=tuple(limit), residual_in_fp32=bool(get("residual_in_fp32", True)),
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
+            eos_token_id=eos, pad_token_id=get("pad_token_id"),
+            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: invalid Mamba2 config: {e}") from None
+
+
+def mamba2_config_from_ssm(cfg: dict, file: Path):
+    """A ``Mamba2Config`` from a ``mamba_ssm`` ``MambaConfig`` dict (``layer: Mamba2``)."""
+    from mcserve.models.mamba2 import DEFAULT_SEGMENT_LEN, Mamba2Config
+
+    ssm = dict(cfg.get("ssm_cfg") or {})
+    d_model = cfg["d_model"]
+    if cfg.get("d_intermediate", 0):
+        raise CheckpointError(f"{file}: d_intermediate={cfg['d_intermediate']} (MLP blocks after "
+                              f"the mixer) is not supported")
+    if cfg.get("attn_layer_idx"):
+        raise CheckpointError(f"{file}: attn_layer_idx={cfg['attn_layer_idx']} (hybrid attention "
+                              f"layers) is not supported")
+    if not cfg.get("rms_norm", True):
+        raise CheckpointError(f"{file}: rms_norm=false (LayerNorm blocks) is not supported")
+    expand = ssm.get("expand", 2)
+    d_inner = int(expand * d_model)
+    d_ssm = ssm.get("d_ssm") or d_inner
+    if d_ssm != d_inner:
+        raise CheckpointError(f"{file}: ssm_cfg.d_ssm={d_ssm} != expand * d_model={d_inner} "
+                              f"(a gated MLP inside the mixer) is not supported")
+    headdim = ssm.get("headdim", 64)
+    if d_ssm % headdim:
+        raise CheckpointError(f"{file}: d_ssm={d_ssm} is not a multiple of headdim={headdim}")
+    vocab = cfg["vocab_size"]
+    mult = cfg.get("pad_vocab_size_multiple", 8) or 1
+    padded = vocab + (-vocab) % mult
+    limit = ssm.get("dt_limit", (0.0, math.inf))
+    train_len = _training_length(cfg)
+    mc = {k: cfg[k] for k in _MC_KEYS if k in cfg}
+    try:
+        return Mamba2Config(
+            vocab_size=padded, d_model=d_model, n_layers=cfg["n_layer"],
+            n_heads=d_ssm // headdim, head_dim=headdim, state_size=ssm.get("d_state", 128),
+            n_groups=ssm.get("ngroups", 1), conv_size=ssm.get("d_conv", 4),
+            use_bias=bool(ssm.get("bias", False)), use_conv_bias=bool(ssm.get("conv_bias", True)),
+            norm_eps=float(cfg.get("norm_epsilon", 1e-5)), gated_norm_eps=1e-5,
+            rmsnorm=bool(ssm.get("rmsnorm", True)),
+            norm_before_gate=bool(ssm.get("norm_before_gate", False)),
+            d_has_hdim=bool(ssm.get("D_has_hdim", False)), time_step_limit=tuple(limit),
+            residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
+            tie_embeddings=bool(cfg.get("tie_embeddings", True)),
+            unpadded_vocab_size=vocab if padded != vocab else None,
+            max_position_embeddings=train_len,
+            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: invalid mamba_ssm Mamba2 config: {e}") from None
+
+
+def _mamba2_name(src: str) -> str | None:
+    """transformers / mamba_ssm tensor name → ``Mamba2MCForCausalLM`` name (None: not ours)."""
+    name = src
+    if name.startswith("backbone."):
+        name = name[len("backbone."):]
+    if name in ("embeddings.weight", "embedding.weight"):
+        return "embed.weight"
+    return name
+
+
+def _load_mamba2(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.mamba2 import Mamba2MCForCausalLM
+
+    file = path / "config.json"
+    if layout == "mamba_ssm":
+        for key in ("d_model", "n_layer", "vocab_size"):
+            if key not in cfg:
+                raise CheckpointError(f"{file}: required key {key!r} is missing")
+        mcfg = mamba2_config_from_ssm(cfg, file)
+    else:
+        mcfg = mamba2_config_from_hf(cfg, file)
+    stored, origin = read_weights(path)
+    renamed: dict[str, Tensor] = {}
+    src_of: dict[str, str] = {}
+    for name, t in stored.items():
+        ours = _mamba2_name(name)
+        if ours in renamed:
+            raise CheckpointError(f"{origin[name]}: tensors {src_of[ours]!r} and {name!r} both "
+                                  f"map to {ours!r}")
+        renamed[ours] = t
+        src_of[ours] = name
+    model = Mamba2MCForCausalLM(mcfg)
+    expected = model.state_dict()
+    weights_file = next(iter(origin.values())) if origin else path
+    if mcfg.tie_embeddings and "lm_head.weight" in renamed and "embed.weight" in renamed:
+        if not torch.equal(renamed["lm_head.weight"], renamed["embed.weight"]):
+            raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: 'lm_head.weight' and the "
+                                  f"embedding are tied in {file} but hold different values")
+        renamed.pop("lm_head.weight")
+        src_of.pop("lm_head.weight")
+    tied = {"lm_head.weight"} if mcfg.tie_embeddings else set()
+    missing = [n for n in expected if n not in renamed and n not in tied]
+    if missing:
+        srcs = [_hf_name(n, layout) for n in missing]
+        more = f" (and {_listed(srcs[1:])})" if len(srcs) > 1 else ""
+        raise CheckpointError(f"{weights_file} is missing tensor {srcs[0]!r}{more} required by "
+                              f"{file}")
+    unexpected = [n for n in renamed if n not in expected]
+    if unexpected:
+        names = [src_of[n] for n in unexpected]
+        raise CheckpointError(f"{origin[names[0]]} has tensors this Mamba2 model does not use: "
+                              f"{_listed(names)}")
+    for name, want in expected.items():
+        if name in tied:
+            continue
+        got = renamed[name]
+        if tuple(got.shape) != tuple(want.shape):
+            src = src_of[name]
+            raise CheckpointError(f"{origin[src]}: tensor {src!r} has shape {tuple(got.shape)}, "
+                                  f"expected {tuple(want.shape)} from {file}")
+        if not got.dtype.is_floating_point:
+            src = src_of[name]
+            raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
+                                  f"expected a floating point tensor")
+    sd = {n: t.to(expected[n].dtype) for n, t in renamed.items()}
+    model.load_state_dict(sd, strict=not mcfg.tie_embeddings)
+    return model.eval()
+
+
+def _hf_name(ours: str, layout: str) -> str:
+    if ours == "embed.weight":
+        emb = "embedding" if layout == "mamba_ssm" else "embeddings"
+        return f"backbone.{emb}.weight"
+    if ours == "lm_head.weight":
+        return ours
+    return "backbone." + ours
+
+
+register("mcserve", _load_native, "mcserve's native MC models (config.json + model.safetensors)")
+register("mamba2", _load_mamba2,
+         "Mamba2: transformers format (model_type mamba2) or the original mamba_ssm format")
