@@ -231,7 +231,8 @@ class StateCache:
         for h in wanted:  # hits first, so that this call's misses never evict them
             if h in staged:
                 staged.move_to_end(h)
-        free_rows = [r for r in range(self.num_staging) if r not in set(staged.values())]
+        taken = set(staged.values())
+        free_rows = [r for r in range(self.num_staging) if r not in taken]
         for h in wanted:
             if h in staged:
                 continue
