@@ -117,3 +117,16 @@ def test_two_continuations_of_one_state(variant):
         fresh_b = model(torch.cat([prefix, b], 1))[0][:, 6:]
     assert torch.allclose(out_b, fresh_b, atol=1e-12)
     assert torch.allclose(out_a, again_a, atol=1e-12)
+
+
+@pytest.mark.parametrize("memory,variant", [("linear", "grm"), ("linear", "loglinear"),
+                                            ("dla", "ssc")])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_training_backward_through_cached_segments(memory, variant, batch):
+    # the cached stack is written in place at inference; with autograd on it must not be
+    torch.manual_seed(0)
+    model = MCForCausalLM(tiny(memory, variant, "checkpoint"))
+    logits, _ = model(torch.randint(0, 40, (batch, 13)))
+    logits.square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -84,6 +84,14 @@ class MCLayerState:
     def append(self, block: State, ksum: Tensor, length: int, pos: int) -> None:
         """Cache one more segment: block tensors ``(B, ...)``, its key sum ``(B, H, K)``."""
         n = self.num_cached
+        if torch.is_grad_enabled() and any(t.requires_grad for t in block.values()):
+            # training: autograd saved views of the stack, so never write into it in place
+            self.cached = {k: torch.cat([self.cached[k], t[:, None]], 1) for k, t in block.items()}
+            self.cached_ksum = torch.cat([self.cached_ksum, ksum[:, None]], 1)
+            self._stack = None
+            self.cached_len.append(length)
+            self.cached_pos.append(pos)
+            return
         st = self._stack
         if st is None or st.filled != n or n == st.capacity or (
                 n and st.ksum.data_ptr() != self.cached_ksum.data_ptr()):

@@ -1,0 +1,203 @@
+"""Passkey retrieval (S-NIAH-1) beyond the training length, with and without post-hoc MC.
+
+Tiny 2-layer models (``recall_common.build_model``) are trained from scratch at ``--train-len``
+on ``passkey_batch`` (a repeated filler sentence, a needle ``[NEEDLE] d1..dn [END]`` at a random
+depth, and ``[QUERY] d1..dn`` at the end; loss only on the n digits). Each model is then evaluated
+at ``--lengths`` (the training length and longer) and ``--depths``; a row is right when all n
+digits are (teacher forced, which is what greedy decoding returns when it is right).
+
+Every model trained *without* MC (``none``) is evaluated twice more on the same weights:
+
+* ``+post`` — post-training MC (paper §4, "Memory Caching as Post Training"): ``mc_variant=post``
+  (mean of the cached memories and the online one, no learned weights), independent mode,
+  segment length = the training length;
+* ``+post/ckpt`` — the same in checkpoint mode.
+
+    python bench/niah.py --quick          # smoke: linear none + grm, 2 lengths (< 3 min)
+    python bench/niah.py                  # the README numbers
+    python bench/niah.py --families linear dla titans --lengths 256 512 1024 2048 4096
+
+Writes ``bench/results/niah.json`` (or ``--out``) and prints exact-match accuracy tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import env_info, env_line, print_table, write_json  # noqa: E402
+from recall_common import (  # noqa: E402
+    answer_accuracy,
+    build_model,
+    passkey_batch,
+    run_many,
+    state_floats,
+    train_loop,
+)
+
+from mcserve.config import MEMORIES  # noqa: E402
+from mcserve.models.native import MCForCausalLM  # noqa: E402
+
+EVAL_SEED = 2_000_003
+
+
+def eval_grid(model: torch.nn.Module, spec: dict[str, Any], lengths: list[int]
+              ) -> dict[str, Any]:
+    """Exact-match and per-digit accuracy for each length (averaged over the depths)."""
+    out = {}
+    for T in lengths:
+        hit = tot = ex = n = 0
+        by_depth = {}
+        for j, dep in enumerate(spec["depths"]):
+            gen = torch.Generator().manual_seed(EVAL_SEED + 131 * T + j)
+            x, y = passkey_batch(spec["eval_n"], T, gen, spec["n_digits"], depth=dep)
+            h, t, e, m = answer_accuracy(model, x, y, batch=max(1, 16384 // T))
+            hit, tot, ex, n = hit + h, tot + t, ex + e, n + m
+            by_depth[str(dep)] = round(e / m, 3)
+        out[str(T)] = {"exact": round(ex / n, 4), "digit": round(hit / tot, 4),
+                       "by_depth": by_depth}
+    return out
+
+
+def posthoc(model: MCForCausalLM, mode: str, segment_len: int) -> MCForCausalLM:
+    """The same weights with post-training MC (``post``) switched on."""
+    cfg = model.config.replace(mc_variant="post", mc_mode=mode, segment_len=segment_len)
+    if cfg.memory in ("dla", "titans") and segment_len % cfg.inner_chunk:
+        cfg = cfg.replace(inner_chunk=1)
+    m = MCForCausalLM(cfg)
+    m.load_state_dict(model.state_dict(), strict=True)
+    return m
+
+
+def run_niah(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(spec["seed"])
+    model = build_model(spec)
+    T0 = spec["train_len"]
+    tag = spec["name"]
+
+    def sample(step: int, gen: torch.Generator):
+        return passkey_batch(spec["batch"], T0, gen, spec["n_digits"])
+
+    def evaluate(m, final: bool) -> dict[str, Any]:
+        if not final:
+            return {"acc": eval_grid(m, dict(spec, eval_n=16), [T0])}
+        return {"acc": eval_grid(m, spec, spec["lengths"])}
+
+    print(f"[{time.strftime('%H:%M:%S')}] start {tag}", flush=True)
+    res = train_loop(model, sample, evaluate, steps=spec["steps"], lr=spec["lr"],
+                     seed=spec["seed"], eval_at=spec.get("eval_at", ()),
+                     max_seconds=spec.get("max_seconds"),
+                     log=lambda s: print(f"[{tag}] {s}", flush=True),
+                     log_every=spec.get("log_every", 50))
+    extra = {}
+    if spec["family"] != "attention" and spec["variant"] == "none":
+        for name, mode in (("post", "independent"), ("post/ckpt", "checkpoint")):
+            m = posthoc(model, mode, T0)
+            extra[name] = {"acc": eval_grid(m, spec, spec["lengths"])}
+    print(f"[{time.strftime('%H:%M:%S')}] done {tag}: "
+          + " ".join(f"{T}:{v['exact']}" for T, v in res["eval"]["acc"].items()), flush=True)
+    return {"spec": spec, "params": sum(p.numel() for p in model.parameters()),
+            "state_floats": state_floats(model, T0), "posthoc": extra, **res}
+
+
+def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
+    base = dict(d_model=a.d_model, train_len=a.train_len, lengths=a.lengths, depths=a.depths,
+                n_digits=a.digits, batch=a.batch, lr=a.lr, seed=a.seed, eval_n=a.eval_n,
+                steps=a.steps, vocab=256, max_seconds=a.max_minutes * 60 if a.max_minutes else None)
+    specs = []
+    if a.attention:
+        specs.append(dict(base, name=f"attention/-/T{a.train_len}", family="attention",
+                          variant="-", mc={}))
+    for fam in a.families:
+        for v in a.variants:
+            mc = {} if v == "none" else {"segment_len": a.segment_len}
+            specs.append(dict(base, name=f"{fam}/{v}/T{a.train_len}", family=fam, variant=v,
+                              mc=mc))
+    for s in specs:
+        s["eval_at"] = [s["steps"] // 2]
+    return specs
+
+
+def summarize(results: list[dict[str, Any]]) -> None:
+    rows = []
+    lengths = None
+    for r in results:
+        if "error" in r:
+            print(f"ERROR {r['spec']['name']}: {r['error']}")
+            continue
+        s = r["spec"]
+        lengths = s["lengths"]
+        label = s["family"] if s["family"] == "attention" else f"{s['family']} {s['variant']}"
+        rows.append([label] + [f"{100 * r['eval']['acc'][str(T)]['exact']:.0f}" for T in lengths]
+                    + [r["steps_done"]])
+        for name, e in r.get("posthoc", {}).items():
+            rows.append([f"{label} +{name}"]
+                        + [f"{100 * e['acc'][str(T)]['exact']:.0f}" for T in lengths] + ["-"])
+    if lengths:
+        T0 = results[0]["spec"]["train_len"]
+        print_table(rows, ["model"] + [f"T={T}" for T in lengths] + ["steps"],
+                    title=f"Passkey exact-match accuracy (%), trained at T={T0}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--families", nargs="+", default=["linear"], choices=MEMORIES)
+    ap.add_argument("--variants", nargs="+", default=["none", "grm"])
+    ap.add_argument("--no-attention", dest="attention", action="store_false")
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--train-len", type=int, default=64)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--digits", type=int, default=5)
+    ap.add_argument("--segment-len", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-n", type=int, default=40, help="examples per (length, depth)")
+    ap.add_argument("--max-minutes", type=float, default=None)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="run only the specs whose name matches one of these globs")
+    ap.add_argument("--jsonl", default=None)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/niah.json)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.attention, a.families, a.variants = False, ["linear"], ["none"]
+        a.train_len, a.lengths, a.steps, a.eval_n, a.digits = 64, [64, 256], 150, 16, 2
+        a.segment_len = 16
+        a.out = a.out or "tmp_niah_quick.json"
+    out = a.out or "niah.json"
+    torch.set_num_threads(a.threads)
+    specs = make_specs(a)
+    if a.only:
+        specs = [s for s in specs if any(fnmatch.fnmatchcase(s["name"], o) for o in a.only)]
+    out_path = write_json({}, out)[0]
+    jsonl = a.jsonl or str(out_path.with_suffix(".jsonl"))
+    env = env_info()
+    print(env_line(env))
+    t0 = time.perf_counter()
+    results = run_many(run_niah, specs, jsonl, jobs=a.jobs, threads=a.threads, resume=a.resume)
+    wall = time.perf_counter() - t0
+    summarize(results)
+    data = {"bench": "niah", "env": env, "args": vars(a), "wall_s": round(wall, 1),
+            "results": results}
+    paths = write_json(data, out)
+    print(f"\nwall {wall:.0f} s; wrote {', '.join(map(str, paths))}")
+    return data
+
+
+if __name__ == "__main__":
+    main()

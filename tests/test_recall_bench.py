@@ -1,0 +1,139 @@
+"""The recall benchmarks (bench/mqar.py, niah.py, ablations.py): task generators and a smoke run.
+
+The generators must produce exactly the task they claim (Zoology's MQAR; S-NIAH-1 passkey), and
+the whole pipeline (build, train through the parallel forward, evaluate, tables, JSON) must run.
+Accuracy is not asserted here (``mqar.py --quick`` does that, at a larger budget).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import recall_common as rc  # noqa: E402
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("T,P,V", [(64, 4, 64), (256, 64, 256), (128, 8, 256)])
+def test_mqar_layout(T, P, V):
+    x, y = rc.mqar_batch(16, T, P, V, _gen(0))
+    assert x.shape == y.shape == (16, T)
+    assert x.dtype == y.dtype == torch.long
+    assert int(x.min()) >= 0 and int(x.max()) < V
+    keys, vals = x[:, 0:2 * P:2], x[:, 1:2 * P:2]
+    assert bool(((keys >= 1) & (keys < V // 2)).all()), "keys must come from the lower half"
+    assert bool(((vals >= V // 2) & (vals < V)).all()), "values must come from the upper half"
+    for b in range(16):
+        assert len(set(keys[b].tolist())) == P  # distinct keys (drawn without replacement)
+        assert len(set(vals[b].tolist())) == P
+        kv = dict(zip(keys[b].tolist(), vals[b].tolist()))
+        mask = y[b] != rc.IGNORE
+        pos = mask.nonzero().flatten().tolist()
+        assert len(pos) == P, "one answer per pair"
+        assert all(p >= 2 * P for p in pos), "no loss inside the key-value context"
+        # the answer at a query is the value paired with the key sitting there
+        for p in pos:
+            assert int(y[b, p]) == kv[int(x[b, p])]
+        assert sorted(int(x[b, p]) for p in pos) == sorted(kv), "every key is queried once"
+        assert bool((y[b][~mask] == rc.IGNORE).all())
+
+
+def test_mqar_deterministic_and_seeded():
+    a = rc.mqar_batch(8, 128, 16, 256, _gen(3))
+    b = rc.mqar_batch(8, 128, 16, 256, _gen(3))
+    c = rc.mqar_batch(8, 128, 16, 256, _gen(4))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_mqar_power_law_gaps_favour_short():
+    _, y = rc.mqar_batch(256, 256, 8, 256, _gen(0))
+    pos = (y != rc.IGNORE).nonzero()[:, 1].float() - 16  # offsets into the query region
+    assert float((pos < 60).float().mean()) > 0.5
+
+
+def test_mqar_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        rc.mqar_batch(2, 64, 17, 256, _gen(0))  # 4·pairs > seq_len
+    with pytest.raises(ValueError):
+        rc.mqar_batch(2, 1024, 40, 64, _gen(0))  # more pairs than keys
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0, None])
+def test_passkey_layout(depth):
+    T, n = 96, 5
+    x, y = rc.passkey_batch(8, T, _gen(1), n_digits=n, depth=depth)
+    assert x.shape == y.shape == (8, T)
+    for b in range(8):
+        mask = y[b] != rc.IGNORE
+        assert mask.nonzero().flatten().tolist() == list(range(T - n, T))
+        digits = y[b, T - n:]
+        assert bool(((digits >= rc.PK_DIGIT0) & (digits < rc.PK_DIGIT0 + 10)).all())
+        assert int(x[b, T - n]) == rc.PK_QUERY
+        assert torch.equal(x[b, T - n + 1:], digits[:-1])  # teacher forcing
+        at = (x[b] == rc.PK_NEEDLE).nonzero().flatten().tolist()
+        assert len(at) == 1
+        a = at[0]
+        assert torch.equal(x[b, a + 1:a + 1 + n], digits)
+        assert int(x[b, a + 1 + n]) == rc.PK_END
+    a = rc.passkey_batch(4, T, _gen(5), depth=depth)
+    b = rc.passkey_batch(4, T, _gen(5), depth=depth)
+    assert torch.equal(a[0], b[0])
+
+
+def test_transformer_is_causal():
+    torch.manual_seed(0)
+    m = rc.build_model({"family": "attention", "d_model": 64, "variant": "-"})
+    x = torch.randint(0, 256, (2, 20))
+    x2 = x.clone()
+    x2[:, 12:] = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        a, _ = m(x)
+        b, _ = m(x2)
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-5)
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_xonly_gates_hook_trains():
+    import ablations
+
+    torch.manual_seed(0)
+    m = rc.build_model({"family": "linear", "variant": "grm", "d_model": 64,
+                        "mc": {"segment_len": 8}, "hook": "ablations:xonly_gates"})
+    assert isinstance(m.layers[0].mixer.memory, ablations.XOnlyGates)
+    x = torch.randint(0, 256, (2, 40))
+    logits, _ = m(x)
+    logits.sum().backward()
+    assert m.layers[0].mixer.seg_emb.grad is not None
+    assert float(m.layers[0].mixer.seg_emb.grad.abs().sum()) > 0
+
+
+def test_mqar_smoke(tmp_path):
+    import mqar
+
+    t0 = time.perf_counter()
+    out = tmp_path / "mqar.json"
+    data = mqar.main(["--families", "linear", "--variants", "none", "grm", "--seq-lens", "32",
+                      "--pairs", "4", "--steps", "6", "--batch", "8", "--eval-n", "16",
+                      "--vocab", "64", "--segment-len", "8", "--out", str(out),
+                      "--plot", str(tmp_path / "mqar.png")])
+    assert time.perf_counter() - t0 < 60
+    saved = json.loads(out.read_text())
+    names = [r["spec"]["name"] for r in saved["results"]]
+    assert names == ["attention/-/d64/T32/s0", "linear/none/d64/T32/s0", "linear/grm/d64/T32/s0"]
+    for r in data["results"]:
+        assert "error" not in r, r.get("traceback")
+        assert 0.0 <= r["eval"]["acc"]["4"] <= 1.0
+        assert r["steps_done"] == 6
+    assert (tmp_path / "mqar.jsonl").exists()
