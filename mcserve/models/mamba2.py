@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from mcserve.config import MCConfig, validate_mc
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
-from mcserve.models.native import LayerState, MCForCausalLM, ModelState
+from mcserve.models.native import LayerState, RecurrentLM
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
@@ -288,7 +288,7 @@ class Mamba2Block(nn.Module):
             self.norm(x.to(self.norm.weight.dtype)), pl))
 
 
-class Mamba2MCForCausalLM(nn.Module):
+class Mamba2MCForCausalLM(RecurrentLM):
     """Mamba2 language model with post-hoc Memory Caching (model_type ``mamba2``).
 
     State-dict names: ``embed.weight``, ``layers.{i}.norm.weight``, ``layers.{i}.mixer.*``
@@ -306,45 +306,8 @@ class Mamba2MCForCausalLM(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    def init_state(self, batch: int = 1) -> ModelState:
-        return ModelState([blk.mixer.init_state(batch, self.dtype, self.device)
-                           for blk in self.layers])
-
     def _head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm_f(x.to(self.dtype)))
-
-    def forward(self, input_ids: Tensor, state: ModelState | None = None
-                ) -> tuple[Tensor, ModelState]:
-        """input_ids ``(B, T)`` → logits ``(B, T, vocab)`` and the state after the last token."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, tokens), got shape "
-                             f"{tuple(input_ids.shape)}")
-        if state is None:
-            state = self.init_state(input_ids.shape[0])
-        x = self.embed(input_ids)
-        new_layers = []
-        for blk, ls in zip(self.layers, state.layers, strict=True):
-            x, ls = blk(x, ls)
-            new_layers.append(ls)
-        return self._head(x), replace(state, layers=new_layers)
-
-    def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
-        """Decode one token for each row of a ragged batch: ``(B, 1)`` → logits ``(B, 1, V)``."""
-        x = self.embed(input_ids)
-        for blk, pl in zip(self.layers, layers, strict=True):
-            x = blk.forward_paged(x, pl)
-        return self._head(x)
-
-    # same single-sequence generation loop as the native model (it only calls self(...))
-    generate = MCForCausalLM.generate
 
     def with_mc(self, **mc: Any) -> Mamba2MCForCausalLM:
         """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""

@@ -211,29 +211,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class MCForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.reset_parameters()
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+class RecurrentLM(nn.Module):
+    """What every recurrent LM the engine drives shares: ``embed``, ``layers`` of blocks with
+    ``forward(x, LayerState)``/``forward_paged(x, PagedLayer)`` and ``mixer.init_state``, and a
+    ``_head``. The native model and the imported ones (``mamba2.py``) subclass it."""
 
-    def reset_parameters(self) -> None:
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() >= 2 and "init" not in name:
-                nn.init.normal_(p, std=std)
-        for block in self.layers:  # residual branches scaled down with depth (GPT-2 style)
-            nn.init.normal_(block.mixer.o_proj.weight, std=std / math.sqrt(2 * len(self.layers)))
-            nn.init.normal_(block.mlp.down.weight, std=std / math.sqrt(2 * len(self.layers)))
-            if block.mixer.conv is not None:
-                nn.init.normal_(block.mixer.conv.weight, std=1.0 / block.mixer.cfg.conv_size)
-            block.mixer.reset_gate_bias()
+    def _head(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
 
     @property
     def dtype(self) -> torch.dtype:
@@ -260,7 +244,7 @@ class MCForCausalLM(nn.Module):
         for blk, ls in zip(self.layers, state.layers, strict=True):
             x, ls = blk(x, ls)
             new_layers.append(ls)
-        return self.lm_head(self.norm(x)), replace(state, layers=new_layers)
+        return self._head(x), replace(state, layers=new_layers)
 
     def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
         """Decode one token for each row of a ragged batch: input_ids ``(B, 1)`` → ``(B, 1, V)``.
@@ -271,7 +255,7 @@ class MCForCausalLM(nn.Module):
         x = self.embed(input_ids)
         for blk, pl in zip(self.layers, layers, strict=True):
             x = blk.forward_paged(x, pl)
-        return self.lm_head(self.norm(x))
+        return self._head(x)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor | list[int], max_new_tokens: int,
@@ -300,6 +284,35 @@ class MCForCausalLM(nn.Module):
                 break
             logits, state = self(torch.tensor([[nxt]], device=self.device), state)
         return out
+
+
+
+class MCForCausalLM(RecurrentLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() >= 2 and "init" not in name:
+                nn.init.normal_(p, std=std)
+        for block in self.layers:  # residual branches scaled down with depth (GPT-2 style)
+            nn.init.normal_(block.mixer.o_proj.weight, std=std / math.sqrt(2 * len(self.layers)))
+            nn.init.normal_(block.mlp.down.weight, std=std / math.sqrt(2 * len(self.layers)))
+            if block.mixer.conv is not None:
+                nn.init.normal_(block.mixer.conv.weight, std=1.0 / block.mixer.cfg.conv_size)
+            block.mixer.reset_gate_bias()
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))
 
     def save_pretrained(self, path: str | Path, tokenizer_files: dict | None = None) -> None:
         from mcserve.models.checkpoint import save_checkpoint
