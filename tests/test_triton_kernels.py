@@ -10,6 +10,10 @@ variable before any test module imports torch or triton, so that does not happen
 
 Every output buffer the kernels write is pre-filled with NaN, and every pool row no table names
 holds NaN: an element left unwritten, or a block read that should not be, fails the comparison.
+
+On a machine with an NVIDIA GPU, ``MCSERVE_TEST_CUDA=1 pytest tests/test_triton_kernels.py``
+runs the same comparisons with every tensor on the GPU and the kernels compiled (no
+interpreter); ``tests/conftest.py`` then leaves ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from __future__ import annotations
 import math
 import os
 import runpy
-import sys
 from pathlib import Path
 
-_PRE_IMPORTED = "triton" in sys.modules
+# compiled kernels on CUDA tensors instead of the interpreter on CPU ones
+CUDA_MODE = os.environ.get("MCSERVE_TEST_CUDA") == "1"
 _saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+if not CUDA_MODE:
+    os.environ["TRITON_INTERPRET"] = "1"
 try:
     import triton  # noqa: F401
     from triton.runtime.interpreter import InterpretedFunction
@@ -35,7 +40,7 @@ except Exception as e:  # not installed / broken
     _INTERP_OK = False
 finally:
     if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
+        os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = _saved
 
@@ -49,17 +54,37 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 NAN = float("nan")
 
+if CUDA_MODE:
+    if not torch.cuda.is_available():
+        raise RuntimeError("MCSERVE_TEST_CUDA=1 but torch sees no CUDA device")
+    DEV = torch.device("cuda")
+    _KERNELS_OK = _TRITON_ERR is None and not _INTERP_OK
+else:
+    DEV = torch.device("cpu")
+    _KERNELS_OK = _INTERP_OK
+
 needs_triton = pytest.mark.skipif(
-    not _INTERP_OK,
+    not _KERNELS_OK,
     reason=f"package 'triton' missing: {_TRITON_ERR}" if _TRITON_ERR is not None else
-    "triton was imported without TRITON_INTERPRET=1 earlier in this process "
+    "triton was imported with the wrong TRITON_INTERPRET setting earlier in this process "
     "(tests/conftest.py sets it before anything imports triton)")
+interpreter_only = pytest.mark.skipif(
+    CUDA_MODE, reason="about the CPU interpreter; this run compiles for the NVIDIA GPU")
 
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
     monkeypatch.delenv("MCSERVE_KERNELS", raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if CUDA_MODE:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _d(*ts):
+    """Move test data (made on the CPU from seeded generators) to the device under test."""
+    out = tuple(None if t is None else t.to(DEV) for t in ts)
+    return out if len(out) != 1 else out[0]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,13 +125,14 @@ def _decode_case(seed, B, H, K, V, lens, dtype, *, per_head=False, extra_blocks=
     table = big[..., 0] if strided_table else big[..., 0].contiguous()
     q, u, p = (torch.randn(B, H, K, generator=g, dtype=dtype) for _ in range(3))
     o = torch.randn(B, H, V, generator=g, dtype=dtype)
-    return q, u, o, p, table, pool, ksum
+    return _d(q, u, o, p, table, pool, ksum)
 
 
 def _run_decode_all(args, check_ref=True, **kw):
     """Triton (NaN-filled out) vs torch twin vs reference loop."""
     q = args[0]
-    out = torch.full((q.shape[0], q.shape[1], args[2].shape[-1]), NAN, dtype=q.dtype)
+    out = torch.full((q.shape[0], q.shape[1], args[2].shape[-1]), NAN, dtype=q.dtype,
+                     device=DEV)
     y_tr = dispatch.paged_mc_decode_linear(*args, out=out, backend="triton", **kw)
     assert y_tr is out
     y_tw = dispatch.paged_mc_decode_linear(*args, backend="torch", **kw)
@@ -138,14 +164,14 @@ def test_decode_per_head_table_state_table_nseg_vtiles(variant):
     q, u, o, p, table, pool, ksum = _decode_case(2, 2, 3, 6, 20, [4, 2], torch.float64,
                                                  per_head=True)
     nb = pool.shape[0]
-    remap = torch.randperm(nb, generator=torch.Generator().manual_seed(0))
+    remap = _d(torch.randperm(nb, generator=torch.Generator().manual_seed(0)))
     pool2 = torch.full_like(pool, NAN)
     pool2[remap] = pool  # block id i now lives in row remap[i]
     state_table = torch.where(table >= 0, remap[table.clamp_min(0)], -1)
-    n_seg = torch.tensor([7, 2])
+    n_seg = _d(torch.tensor([7, 2]))
     kw = dict(variant=variant, segment_len=3, top_k=3, n_seg=n_seg, state_table=state_table)
     args = (q, u, o, p, table, pool2, ksum)
-    out = torch.full((2, 3, 20), NAN, dtype=torch.float64)
+    out = torch.full((2, 3, 20), NAN, dtype=torch.float64, device=DEV)
     from mcserve.kernels.triton.decode import paged_mc_decode_linear as tri
     y_tr = tri(*args, out=out, block_v=16, **kw)
     y_tw = twins.paged_mc_decode_linear_torch(*args, **kw)
@@ -177,7 +203,7 @@ def test_decode_ssc_ties_and_bf16_pool():
     args = (q, u, o, p, table, pool, ksum)
     y = _run_decode_all(args, variant="ssc", segment_len=4, top_k=2)
     # explicit: row 0 must read columns 3, 4 only; row 1 columns 1, 2
-    keep = torch.tensor([[-1, -1, -1, 1, 1], [-1, 1, 1, -1, -1]])
+    keep = _d(torch.tensor([[-1, -1, -1, 1, 1], [-1, 1, 1, -1, -1]]))
     t2 = torch.where(keep > 0, table, -1)
     y_grm = twins.paged_mc_decode_linear_torch(*((q, u, o, p, t2) + (pool, ksum)),
                                                variant="grm", segment_len=4)
@@ -190,7 +216,7 @@ def test_decode_ssc_ties_and_bf16_pool():
 def test_decode_ssc_per_row_top_k():
     # per-request top_k overrides: row b keeps min(row_top_k[b], top_k) picks
     args = _decode_case(6, 4, 2, 5, 3, [5, 4, 0, 3], torch.float32)
-    row_k = torch.tensor([1, 3, 2, 0])
+    row_k = _d(torch.tensor([1, 3, 2, 0]))
     y = _run_decode_all(args, variant="ssc", segment_len=4, top_k=3, row_top_k=row_k)
     one = twins.paged_mc_decode_linear_torch(*args, variant="ssc", segment_len=4, top_k=1)
     assert _rel(y[0], one[0]) < 1e-5  # row 0 (k = 1) as with top_k = 1
@@ -218,7 +244,7 @@ def test_router(top_k, per_head):
     if top_k > 4:
         assert (idx[0, :, 4:] == -1).all() and (idx[2, :, 5:] == -1).all()
     # per-row pick counts
-    row_k = torch.tensor([2, 1, 0])
+    row_k = _d(torch.tensor([2, 1, 0]))
     res = {bk: dispatch.ssc_router(u, ksum, table, segment_len=3, top_k=top_k, row_top_k=row_k,
                                    backend=bk) for bk in ("triton", "torch", "reference")}
     for bk in ("triton", "torch"):
@@ -248,7 +274,7 @@ def _prefill_data(seed, B, T, H, K, V, dtype, gated=True):
     v = torch.randn(B, T, H, V, generator=g, dtype=dtype)
     la = -torch.rand(B, T, H, generator=g, dtype=dtype) * 0.5 if gated else None
     b = torch.rand(B, T, H, generator=g, dtype=dtype) if gated else None
-    return q, k, v, la, b, g
+    return _d(q, k, v, la, b) + (g,)
 
 
 def _check_prefill(args, kw, n_seq, H, K, V, dtype, pool_rows=None):
@@ -258,9 +284,9 @@ def _check_prefill(args, kw, n_seq, H, K, V, dtype, pool_rows=None):
     for bk in ("triton", "torch", "reference"):
         kk = dict(kw)
         if pool_rows is not None:
-            kk["state_pool"] = torch.full((pool_rows, H, K, V), NAN, dtype=dtype)
-            kk["ksum_pool"] = torch.full((pool_rows, H, K), NAN, dtype=dtype)
-        out = torch.full(q.shape[:3] + (V,), NAN, dtype=dtype)
+            kk["state_pool"] = torch.full((pool_rows, H, K, V), NAN, dtype=dtype, device=DEV)
+            kk["ksum_pool"] = torch.full((pool_rows, H, K), NAN, dtype=dtype, device=DEV)
+        out = torch.full(q.shape[:3] + (V,), NAN, dtype=dtype, device=DEV)
         res[bk] = dispatch.chunk_linear_prefill(*args, out=out, backend=bk, **kk)
         assert res[bk][0] is out
     tol = TOL[dtype]
@@ -271,7 +297,7 @@ def _check_prefill(args, kw, n_seq, H, K, V, dtype, pool_rows=None):
         assert _rel(o, o_r) < tol, bk
         assert _rel(fin, fin_r) < tol, bk
         if ids is not None:  # written rows match, every other pool row is still NaN
-            untouched = torch.ones(bs.shape[0], dtype=torch.bool)
+            untouched = torch.ones(bs.shape[0], dtype=torch.bool, device=DEV)
             untouched[ids] = False
             assert torch.isnan(bs[untouched]).all() and torch.isnan(bks[untouched]).all()
             bs, bks, bs_r, bks_r = bs[ids], bks[ids], bs_r[ids], bks_r[ids]
@@ -297,7 +323,7 @@ def test_prefill_fixed_batch(dtype):
 def test_prefill_long_segments_initial_state_vtiles():
     # C = 20 > chunk 16: several chunks per segment; no gates; initial state; V in 2 tiles
     q, k, v, _, _, g = _prefill_data(11, 1, 45, 1, 4, 20, torch.float64, gated=False)
-    h0 = torch.randn(1, 1, 4, 20, generator=g, dtype=torch.float64)
+    h0 = _d(torch.randn(1, 1, 4, 20, generator=g, dtype=torch.float64))
     from mcserve.kernels.triton.prefill import chunk_linear_prefill as tri
     o, fin, bs, bks = tri(q, k, v, None, None, h0, segment_len=20, chunk_size=16, block_v=16)
     r = twins.chunk_linear_prefill_reference(q, k, v, None, None, h0, segment_len=20)
@@ -311,16 +337,16 @@ def test_prefill_varlen_into_pool(mode):
     # 5 sequences: 3 (< C), 0 (empty), 12, 11, 1 tokens; per-sequence offsets into their
     # current segment with their key sums; boundaries land at scattered ids of a NaN pool
     dtype = torch.float32
-    cu = torch.tensor([0, 3, 3, 15, 26, 27])
+    cu = _d(torch.tensor([0, 3, 3, 15, 26, 27]))
     T, H, K, V, C = 27, 2, 3, 5, 4
     q, k, v, la, b, g = _prefill_data(12, 1, T, H, K, V, dtype)
-    h0 = torch.randn(5, H, K, V, generator=g, dtype=dtype)
-    off = torch.tensor([1, 0, 3, 2, 3])
-    ks0 = torch.randn(5, H, K, generator=g, dtype=dtype)
+    h0 = _d(torch.randn(5, H, K, V, generator=g, dtype=dtype))
+    off = _d(torch.tensor([1, 0, 3, 2, 3]))
+    ks0 = _d(torch.randn(5, H, K, generator=g, dtype=dtype))
     counts, offsets = twins.boundary_layout(cu[1:] - cu[:-1], C, off)
     assert counts.tolist() == [1, 0, 3, 3, 1]
     total = int(counts.sum())
-    ids = torch.randperm(total + 6, generator=g)[:total]
+    ids = _d(torch.randperm(total + 6, generator=g)[:total])
     kw = dict(segment_len=C, cu_seqlens=cu, mode=mode, initial_seg_len=off, initial_ksum=ks0,
               block_ids=ids)
     o, fin, bs, bks = _check_prefill((q, k, v, la, b, h0), kw, 5, H, K, V, dtype,
@@ -358,7 +384,7 @@ def _mc_data(seed, T, H, K, V, dtype):
     v = torch.randn(T, H, V, generator=g, dtype=dtype)
     a = torch.rand(T, H, generator=g, dtype=dtype) * 0.5 + 0.5
     b = torch.rand(T, H, generator=g, dtype=dtype)
-    return q, k, v, u, a, b
+    return _d(q, k, v, u, a, b)
 
 
 @needs_triton
@@ -368,7 +394,7 @@ def test_kernels_match_reference_mc_linear(variant, mode, T, C, top_k, dtype):
     want = reference.mc_linear(q, k, v, u, a, b, variant=variant, segment_len=C, top_k=top_k,
                                mode=mode)
     nb = T // C
-    ids = torch.randperm(nb + 3, generator=torch.Generator().manual_seed(1))[:nb]
+    ids = _d(torch.randperm(nb + 3, generator=torch.Generator().manual_seed(1))[:nb])
     got = dispatch.mc_linear(q, k, v, u, a, b, variant=variant, segment_len=C, top_k=top_k,
                              mode=mode, backend="triton", block_ids=ids, num_blocks=nb + 3)
     assert _rel(got, want) < TOL[dtype]
@@ -436,22 +462,25 @@ def _paged_layer(family_name, variant, seed, lens, C=4, top_k=2, H=2, K=4, V=3, 
                     out[m] = row
             return out
 
+        # the closure reads these names when called: it sees the device copies
+        staged, host_pool = _d(staged, host_pool)
         pool, ksum = staged, ksum_u
+    pool, ksum, table = _d(pool, ksum, table)
     mem = fam.init_state(B, H, K, V, dtype=torch.float64, device="cpu")
-    mem = {key: torch.randn(t.shape, generator=g, dtype=t.dtype) for key, t in mem.items()}
-    pl = PagedLayer(mem=mem, conv=None, seg_ksum=torch.randn(B, H, K, generator=g,
-                                                             dtype=torch.float64),
-                    seg_len=torch.randint(0, C - 1, (B,), generator=g),
-                    n_seg=torch.tensor(lens), csum=None, table=table, pool={"S": pool},
+    mem = {key: _d(torch.randn(t.shape, generator=g, dtype=t.dtype)) for key, t in mem.items()}
+    pl = PagedLayer(mem=mem, conv=None, seg_ksum=_d(torch.randn(B, H, K, generator=g,
+                                                                dtype=torch.float64)),
+                    seg_len=_d(torch.randint(0, C - 1, (B,), generator=g)),
+                    n_seg=_d(torch.tensor(lens)), csum=None, table=table, pool={"S": pool},
                     ksum_pool=ksum, fetch=fetch_fn)
     if row_top_k is not None:
-        pl.top_k = torch.tensor(row_top_k)
-    x = {n: torch.randn(B, 1, H, K, generator=g, dtype=torch.float64) for n in "qku"}
-    x["v"] = torch.randn(B, 1, H, V, generator=g, dtype=torch.float64)
-    gates = {"log_a": -torch.rand(B, 1, H, generator=g, dtype=torch.float64),
-             "b": torch.rand(B, 1, H, generator=g, dtype=torch.float64)}
+        pl.top_k = _d(torch.tensor(row_top_k))
+    x = {n: _d(torch.randn(B, 1, H, K, generator=g, dtype=torch.float64)) for n in "qku"}
+    x["v"] = _d(torch.randn(B, 1, H, V, generator=g, dtype=torch.float64))
+    gates = {"log_a": -_d(torch.rand(B, 1, H, generator=g, dtype=torch.float64)),
+             "b": _d(torch.rand(B, 1, H, generator=g, dtype=torch.float64))}
     if family_name == "swla":
-        gates["c"] = torch.rand(B, 1, H, generator=g, dtype=torch.float64)
+        gates["c"] = _d(torch.rand(B, 1, H, generator=g, dtype=torch.float64))
     return mc, pl, x, gates
 
 
@@ -488,6 +517,8 @@ def test_decode_paged_linear_hook_matches_engine(backend, family, variant, fetch
 def test_dispatch_defaults_and_override(monkeypatch):
     x = torch.zeros(1)
     assert dispatch.get_backend(x) == "torch"  # CPU tensors: the torch twin
+    if CUDA_MODE:  # CUDA tensors: the Triton kernels
+        assert dispatch.get_backend(torch.zeros(1, device=DEV)) == "triton"
     assert dispatch.get_backend() == "torch"
     monkeypatch.setenv("MCSERVE_KERNELS", "reference")
     assert dispatch.get_backend(x) == "reference"
@@ -502,6 +533,7 @@ def test_dispatch_defaults_and_override(monkeypatch):
 
 
 @needs_triton
+@interpreter_only
 def test_dispatch_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("MCSERVE_KERNELS", "triton")
     assert dispatch.get_backend(torch.zeros(1)) == "triton"
@@ -513,6 +545,7 @@ def test_dispatch_triton_on_cpu_needs_interpreter(monkeypatch):
 
 
 @needs_triton
+@interpreter_only
 def test_kernels_follow_env_at_call_time(monkeypatch):
     # our kernels are decorated per interpreter setting at call time, not at import
     from triton.runtime.interpreter import InterpretedFunction
