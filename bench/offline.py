@@ -2,12 +2,20 @@
 
     python bench/offline.py            # 64 prompts x 128 tokens -> 128 new tokens
     python bench/offline.py --quick    # CI smoke run (seconds)
+    python bench/offline.py --compare [--llama-cpp-src DIR]   # vs llama.cpp and transformers
 
 The model is ``--model DIR``, else the embedded default model, else a random model of the
 default model's shape. Both runs use the same engine settings except ``max_num_seqs``; the
 one-at-a-time baseline is timed on ``--serial-prompts`` prompts (its per-token rate does not
 depend on how many prompts it runs). Greedy, ``ignore_eos``, so every request makes exactly
 ``--new-tokens`` tokens. Prints a table and writes ``bench/results/offline.json``.
+
+``--compare`` measures something else: decode throughput on the 130M Mamba2 shape (random
+weights, ``bench/baselines.py``) at 1, 8 and 16 concurrent streams for mcserve (as-is, no MC),
+llama.cpp's batched decode and transformers ``generate``, all in one run with the same threads,
+and prints the ratios against the targets (mcserve >= 1x llama.cpp at 8 and 16 streams, >= 0.7x
+at 1; >= 5x transformers at 8). Writes ``bench/results/offline_compare.json``. With ``--quick``
+the model has 2 layers and a 4096 vocabulary (a smoke run, no meaningful ratio).
 """
 
 from __future__ import annotations
@@ -59,7 +67,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    cmp = ap.add_argument_group("--compare")
+    cmp.add_argument("--compare", action="store_true",
+                     help="mcserve vs llama.cpp vs transformers on the 130M Mamba2 shape")
+    cmp.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
+    cmp.add_argument("--tf-streams", type=int, nargs="+", default=[1, 8],
+                     help="stream counts at which transformers runs (it is slow)")
+    cmp.add_argument("--repeats", type=int, default=3, help="runs per cell; the median counts")
+    cmp.add_argument("--mc", nargs="*", default=[],
+                     help="also mcserve with these post-hoc MC variants (e.g. post grm)")
+    cmp.add_argument("--llama-cpp-src", default=None,
+                     help="llama.cpp source folder with convert_hf_to_gguf.py "
+                     "(default: $LLAMA_CPP_SRC)")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args)
     if args.quick:
         args.prompts, args.prompt_len, args.new_tokens, args.serial_prompts = 8, 32, 16, 2
     threads = set_threads(args.threads)
@@ -96,6 +118,83 @@ def main() -> None:
                 "serial": {"seconds": t_s, "tokens": n_s, "tokens_per_s": tps_s},
                 "speedup": tps_b / tps_s},
                "tmp_offline_quick.json" if args.quick else "offline.json", extra=args.out)
+
+
+def compare(args: argparse.Namespace) -> None:
+    import baselines as bl
+
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 8, 8, 1
+        args.streams, args.tf_streams = [1, 4], [1, 4]
+        shape = bl.MAMBA2_QUICK
+    else:
+        args.prompt_len, args.new_tokens = 16, 64
+        shape = bl.MAMBA2_130M
+    threads = set_threads(args.threads)
+    model_dir = bl.mamba2_dir(shape)
+    runners: list = [bl.McserveRunner(model_dir)]
+    runners += [bl.McserveRunner(model_dir, mc_variant=v, segment_len=16, state_cache_mib=8192)
+                for v in args.mc]
+    notes = []
+    llama = None
+    why = bl.llama_cpp_missing()
+    src = bl.llama_cpp_src(args.llama_cpp_src)
+    if why is None and src is None:
+        why = ("llama.cpp column skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or set "
+               "LLAMA_CPP_SRC to the sdist's vendor/llama.cpp folder)")
+    if why is None:
+        llama = bl.LlamaCppRunner(bl.gguf_file(model_dir, src), threads)
+        runners.append(llama)
+    else:
+        notes.append(why)
+    tf = bl.TransformersRunner(model_dir)
+    results, agree = [], {}
+    for n in args.streams:
+        ids = bl.prompts(shape["vocab_size"], n, args.prompt_len)
+        for r in runners + ([tf] if n in args.tf_streams else []):
+            res = r.run(ids, args.new_tokens, args.repeats)
+            line = f"  {res.name:<16} streams {n:>3}: {res.tokens_per_s:8.1f} tokens/s"
+            if res.name != "mcserve":  # the same greedy tokens as mcserve on the same weights?
+                agree[(res.name, n)] = bl.agreement(results_n[0], res)
+                line += f" (tokens agreeing with mcserve: {agree[(res.name, n)]:.0%})"
+            else:
+                results_n = [res]
+            print(line, flush=True)
+            results.append(res)
+    by = {(r.name, r.streams): r.tokens_per_s for r in results}
+    targets = {"llama.cpp": {1: 0.7, 8: 1.0, 16: 1.0}, "transformers": {8: 5.0}}
+    names = [r.name for r in runners] + ["transformers"]
+    rows, checks = [], []
+    for n in args.streams:
+        row = [n] + [f"{by[(m, n)]:.1f}" if (m, n) in by else "-" for m in names]
+        for base in ("llama.cpp", "transformers"):
+            if (base, n) in by:
+                ratio = by[("mcserve", n)] / by[(base, n)]
+                want = targets[base].get(n)
+                mark = "" if want is None else (" PASS" if ratio >= want else " FAIL")
+                row.append(f"{ratio:.2f}x" + mark)
+                if want is not None:
+                    checks.append({"baseline": base, "streams": n, "ratio": ratio,
+                                   "target": want, "met": ratio >= want})
+            else:
+                row.append("-")
+        rows.append(row)
+    env = env_info()
+    print(env_line(env))
+    print(f"model: Mamba2 {bl.describe_shape(shape)}, float32, random weights; "
+          f"{args.prompt_len}-token prompts -> {args.new_tokens} greedy tokens per stream; "
+          f"{threads} threads for every implementation; median of {args.repeats}")
+    print_table(rows, ["streams"] + [f"{m} tok/s" for m in names]
+                + ["mcserve / llama.cpp", "mcserve / transformers"],
+                title="decode throughput, same weights, same run")
+    for note in notes:
+        print(note)
+    write_json({"env": env, "args": vars(args), "shape": shape, "threads": threads,
+                "results": [r.to_json() for r in results], "targets": checks, "notes": notes,
+                "agreement_with_mcserve": [{"name": k[0], "streams": k[1], "fraction": v}
+                                           for k, v in agree.items()]},
+               "tmp_offline_compare_quick.json" if args.quick else "offline_compare.json",
+               extra=args.out)
 
 
 if __name__ == "__main__":

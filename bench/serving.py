@@ -21,6 +21,11 @@ Server overhead: unless ``--no-offline``, the same requests run through the offl
 as the server's engine runs, before the server starts so that the two never share the CPU), and
 the HTTP throughput is reported as a fraction of it (the issue's target: >= 85% at 16 clients).
 
+``--compare`` serves the 130M Mamba2 shape (random weights, ``bench/baselines.py``, as-is: no MC)
+with prompts of ``--prompt-len`` token ids and ``--new-tokens`` outputs, then runs llama.cpp's
+batched decode and transformers ``generate`` on the same weights at ``--clients`` streams in the
+same run, and prints the HTTP throughput as a ratio of each (``serving_compare.json``).
+
 Results go to ``bench/results/serving.json`` (``--quick``: ``tmp_serving_quick.json``, not
 tracked). ``--quick`` (8 clients, 16 short requests, one round, 1 torch thread unless
 ``--threads``) finishes in well under a minute.
@@ -288,6 +293,46 @@ def http_summary(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             "e2e_s": summary([r["e2e"] for r in results])}
 
 
+# --------------------------------------------------------------------------- baselines
+
+
+def compare_baselines(args: argparse.Namespace, shape: dict[str, Any], ids: list[list[int]],
+                      http_tps: float) -> dict[str, Any]:
+    """llama.cpp and transformers at ``--clients`` streams on the served weights (after the
+    server has stopped, so nothing shares the CPU), and the HTTP throughput's ratio to each."""
+    import baselines as bl
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model_dir = Path(args.model)
+    runners: list[Any] = []
+    notes = []
+    why = bl.llama_cpp_missing()
+    src = bl.llama_cpp_src(args.llama_cpp_src)
+    if why is None and src is None:
+        why = ("llama.cpp column skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or set "
+               "LLAMA_CPP_SRC)")
+    if why is None:
+        runners.append(bl.LlamaCppRunner(bl.gguf_file(model_dir, src), threads))
+    else:
+        notes.append(why)
+    runners.append(bl.TransformersRunner(model_dir))
+    rows, out = [], {"http_tokens_per_s": http_tps, "baselines": [], "notes": notes}
+    for r in runners:
+        res = r.run(ids, args.new_tokens, args.repeat)
+        out["baselines"].append({**res.to_json(), "http_over": http_tps / res.tokens_per_s})
+        rows.append([res.name, len(ids), f"{res.tokens_per_s:.1f}",
+                     f"{http_tps / res.tokens_per_s:.2f}x"])
+    rows.insert(0, ["mcserve over HTTP", args.clients, f"{http_tps:.1f}", "1.00x"])
+    print_table(rows, ["implementation", "streams", "tokens/s", "mcserve HTTP / this"],
+                title=f"Mamba2 {bl.describe_shape(shape)}, {args.prompt_len} -> "
+                f"{args.new_tokens} tokens, {threads} threads")
+    for n in notes:
+        print(n)
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -315,17 +360,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="offline + HTTP rounds; medians are reported (default 3, --quick 1)")
     ap.add_argument("--out", default=None, help="result file name or path")
+    cmp = ap.add_argument_group("--compare")
+    cmp.add_argument("--compare", action="store_true",
+                     help="the 130M Mamba2 shape, against llama.cpp and transformers")
+    cmp.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (--compare)")
+    cmp.add_argument("--new-tokens", type=int, default=64, help="tokens per request (--compare)")
+    cmp.add_argument("--llama-cpp-src", default=None,
+                     help="llama.cpp source folder with convert_hf_to_gguf.py "
+                     "(default: $LLAMA_CPP_SRC)")
     args = ap.parse_args(argv)
 
     mix = MIX
     if args.quick:
         args.clients, args.num_requests, mix, args.repeat = 8, 16, QUICK_MIX, 1
+        args.prompt_len, args.new_tokens = 8, 8
         if args.threads is None:
             args.threads = 1  # bounded time even on a busy machine (no OpenMP spin-waits)
     if args.clients < 1 or args.num_requests < 1 or args.repeat < 1:
         ap.error("--clients, --num-requests and --repeat must be >= 1")
     reqs = workload(args.num_requests, mix)
+    shape = prompt_ids = None
+    if args.compare:
+        import baselines as bl
+
+        if args.model or args.url:
+            ap.error("--compare serves its own Mamba2 checkpoint: no MODEL or --url")
+        shape = bl.MAMBA2_QUICK if args.quick else bl.MAMBA2_130M
+        args.model = str(bl.mamba2_dir(shape))
+        args.server_arg = [*args.server_arg, "--mc-variant", "none",
+                           "--max-model-len", str(args.prompt_len + args.new_tokens + 1)]
+        # the word-level tokenizer maps "t17" to id 17: text prompts are exact id sequences
+        prompt_ids = bl.prompts(shape["vocab_size"], args.num_requests, args.prompt_len)
+        reqs = [(" ".join(f"t{i}" for i in ids), args.new_tokens) for ids in prompt_ids]
     out_name = args.out or ("tmp_serving_quick.json" if args.quick else "serving.json")
+    if args.compare and not args.out:
+        out_name = "tmp_serving_compare_quick.json" if args.quick else "serving_compare.json"
     env = env_info()
     print(env_line(env))
 
@@ -405,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offline LLM.generate: {result['offline_tokens_per_s']:.1f} tokens/s; "
               f"HTTP / offline throughput: {result['http_over_offline'] * 100:.1f}% "
               f"(median over runs; target >= 85% at 16 clients)")
+    if args.compare:
+        result["compare"] = compare_baselines(args, shape, prompt_ids[:args.clients],
+                                              http["tokens_per_s"])
     if errors:
         print(f"first error: {errors[0]}", file=sys.stderr)
     for p in write_json(result, out_name):

@@ -144,7 +144,11 @@ class EngineConfig:
     max_num_seqs: int = 32  # sequences decoded together in one step
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 32768  # prompt + generated tokens of one sequence
-    num_state_blocks: int = 1024  # device pool of cached segment checkpoints (all layers each)
+    # device pool of cached segment checkpoints (all layers each); None = sized automatically:
+    # enough for every slot at max_model_len, capped by state_cache_mib, and none at all for
+    # variants that cache nothing (none, loglinear)
+    num_state_blocks: int | None = None
+    state_cache_mib: int = 1024  # memory budget (MiB) of the automatic block pool
     host_state_blocks: int = 0  # host tier for preempted sequences' blocks (0 = recompute)
     enable_prefix_caching: bool = True
     dtype: str = "float32"
@@ -157,9 +161,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_state_blocks"):
+                     "num_state_blocks", "state_cache_mib"):
             val = getattr(self, name)
-            if not isinstance(val, int) or val < 1:
+            if name == "num_state_blocks" and val is None:
+                continue
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
         if not isinstance(self.host_state_blocks, int) or self.host_state_blocks < 0:
             raise ValueError(f"host_state_blocks must be >= 0, got {self.host_state_blocks!r}")

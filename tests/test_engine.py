@@ -227,6 +227,29 @@ def test_bad_requests():
         EngineConfig(mc_variant="bogus")
     with pytest.raises(ValueError, match="num_state_blocks"):
         EngineConfig(num_state_blocks=0)
+    with pytest.raises(ValueError, match="state_cache_mib"):
+        EngineConfig(state_cache_mib=0)
+
+
+def test_automatic_block_pool_size():
+    from mcserve.engine.state_cache import StateCache
+
+    # None: enough for every slot at max_model_len (128 // C=4 = 32 blocks each) ...
+    grm = make_engine(make_model(), num_state_blocks=None, max_num_seqs=3)
+    assert grm.cache.num_blocks == 3 * 32
+    # ... capped by the memory budget ...
+    per = StateCache.block_bytes(grm.model)
+    assert per == grm.cache.bytes_per_block > 0
+    mib = 1
+    capped = make_engine(make_model(), num_state_blocks=None, max_num_seqs=3, max_model_len=4096,
+                         state_cache_mib=mib)
+    assert capped.cache.num_blocks == 2**20 // per
+    # ... and no pool at all when the variant caches nothing; it still generates
+    none = make_engine(make_model(variant="none"), num_state_blocks=None)
+    assert none.cache.num_blocks == 0
+    assert all(len(t) == 10 for t in run(none, prompts()[:3]))
+    # an explicit count is kept as given
+    assert make_engine(make_model(), num_state_blocks=7).cache.num_blocks == 7
 
 
 def test_pool_exhausted_allocation_returns_none():

@@ -67,12 +67,14 @@ class LLMEngine:
         ssc = mcfg.mc_variant == "ssc"
         # staging rows for host blocks the ssc router selects: every row, head and pick at once
         staging = config.max_num_seqs * mcfg.mc_top_k * mcfg.n_heads if ssc else 0
-        self.cache = StateCache(model, config.num_state_blocks, config.max_num_seqs,
+        segmented = mcfg.mc_variant not in ("none", "loglinear")
+        self.num_state_blocks = self._pool_size(config, model, segmented)
+        self.cache = StateCache(model, self.num_state_blocks, config.max_num_seqs,
                                 config.enable_prefix_caching, salt=salt,
                                 host_blocks=config.host_state_blocks, staging_blocks=staging)
         self.scheduler = Scheduler(
             self.cache, segment_len=mcfg.segment_len,
-            segmented=mcfg.mc_variant not in ("none", "loglinear"),
+            segmented=segmented,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, offload=ssc)
         self.runner = ModelRunner(model, self.cache)
@@ -84,14 +86,27 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
+    @staticmethod
+    def _pool_size(config: EngineConfig, model: MCForCausalLM, segmented: bool) -> int:
+        """``num_state_blocks``, or when None: every slot at ``max_model_len`` (one block per
+        completed segment), capped by the ``state_cache_mib`` budget; zero without segments
+        (a block of a 130M Mamba2 is 19 MB, so a fixed count can exhaust host memory)."""
+        if config.num_state_blocks is not None:
+            return config.num_state_blocks
+        if not segmented:
+            return 0
+        want = config.max_num_seqs * (config.max_model_len // model.config.segment_len)
+        budget = config.state_cache_mib * 2**20 // StateCache.block_bytes(model)
+        return max(1, min(want, budget))
+
     # ------------------------------------------------------------------ describe
     def describe(self) -> str:
         m, c = self.model_config, self.config
         return (f"model={self.model_name} ({m.memory}, {m.n_layers} layers, d={m.d_model}) "
                 f"mc={m.mc_variant}/{m.mc_mode} segment_len={m.segment_len} top_k={m.mc_top_k} "
                 f"device={c.device} dtype={c.dtype} slots={c.max_num_seqs} "
-                f"blocks={c.num_state_blocks} "
-                f"({self.cache.bytes_per_block * c.num_state_blocks / 2**20:.0f} MiB) "
+                f"blocks={self.num_state_blocks} "
+                f"({self.cache.bytes_per_block * self.num_state_blocks / 2**20:.0f} MiB) "
                 f"prefix_caching={c.enable_prefix_caching}")
 
     # ------------------------------------------------------------------ requests

@@ -89,10 +89,23 @@ class StateCache:
         self.bytes_moved = 0  # host <-> device traffic (swaps, offloads, fetches)
         self.num_offloaded = 0  # blocks of running ssc sequences moved to the host tier
         self.num_fetched = 0  # (layer, host block) copies into staging for the ssc router
-        self.bytes_per_block = sum(t[0].numel() * t.element_size()
-                                   for layer in self.block for t in layer.values())
+        self.bytes_per_block = self.block_bytes(model)
         self.bytes_per_slot = sum(t[0].numel() * t.element_size()
                                   for layer in self.slot for t in layer.values())
+
+    @staticmethod
+    def block_bytes(model: MCForCausalLM) -> int:
+        """Bytes one device block of ``model`` takes (every layer's entries and key sum)."""
+        total = 0
+        for ls, blk in zip(model.init_state(1).layers, model.layers, strict=True):
+            mc = blk.mixer.memory
+            ts = [t[0] for t in ls.mc.mem.values()] + [ls.mc.seg_ksum[0]]
+            if ls.conv is not None:
+                ts.append(ls.conv[0])
+            if mc.collapsed:
+                ts += [ls.mc.mem[key][0] for key in mc.family.readout_keys]
+            total += sum(t.numel() * t.element_size() for t in ts)
+        return total
 
     # ------------------------------------------------------------------ slots
     def allocate_slot(self) -> int | None:

@@ -1,0 +1,313 @@
+"""Baselines that `offline.py --compare` and `serving.py --compare` run in the same process run:
+transformers `generate` and llama.cpp (through llama-cpp-python's low-level batched API) on one
+Mamba2 checkpoint, next to mcserve's engine on the same weights.
+
+The checkpoint is the 130M Mamba2 shape (hidden 768, 24 layers, state 128, head_dim 64, 24 heads,
+vocab 50288) with random weights from transformers' own ``Mamba2ForCausalLM`` (seeded), saved
+once under ``$MCSERVE_BENCH_CACHE`` (default ``~/.cache/mcserve/bench``) with a word-level
+``tokenizer.json`` so mcserve can serve it, and converted to GGUF (float32) with llama.cpp's
+``convert_hf_to_gguf.py`` from a copy without the tokenizer. Nothing is downloaded.
+
+Every run does the same work: ``streams`` sequences, each a ``prompt_len``-token random prompt
+(same ids for every implementation) followed by ``new_tokens`` greedy tokens; the reported rate
+is generated tokens / wall time of the whole generate call (prefill included: it is small next to
+the decode at the default sizes). Each run is repeated and the median taken.
+
+llama.cpp set-up (bench/README.md): ``pip download --no-deps --no-binary :all:
+llama-cpp-python==0.3.36``, ``pip install`` the sdist (builds llama.cpp, ~10 min on 2 cores), and
+extract it; pass the extracted ``vendor/llama.cpp`` folder as ``--llama-cpp-src`` (or set
+``LLAMA_CPP_SRC``) for the converter. Without the package the llama.cpp column is skipped with a
+message saying so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAMBA2_130M: dict[str, Any] = dict(
+    vocab_size=50288, hidden_size=768, num_hidden_layers=24, state_size=128, head_dim=64,
+    num_heads=24, n_groups=1, expand=2, conv_kernel=4, chunk_size=256,
+)
+# a few layers of the same width: seconds instead of minutes (CI smoke runs)
+MAMBA2_QUICK: dict[str, Any] = dict(MAMBA2_130M, num_hidden_layers=2, vocab_size=4096)
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("MCSERVE_BENCH_CACHE", Path.home() / ".cache" / "mcserve" / "bench"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _word_tokenizer(vocab_size: int, path: Path) -> None:
+    """A word-level tokenizer over ids ``t0 … t{V-1}``: enough for the server to take token-id
+    prompts and detokenize what the random model says."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+
+
+def mamba2_dir(shape: dict[str, Any] = MAMBA2_130M, seed: int = 0) -> Path:
+    """The random-weight Mamba2 checkpoint of ``shape`` (built on first use, then reused)."""
+    name = (f"mamba2-d{shape['hidden_size']}-l{shape['num_hidden_layers']}"
+            f"-v{shape['vocab_size']}-s{seed}")
+    out = cache_dir() / name
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Mamba2ForCausalLM(Mamba2Config(**shape, bos_token_id=None, eos_token_id=None,
+                                           pad_token_id=0, tie_word_embeddings=True))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    _word_tokenizer(shape["vocab_size"], tmp / "tokenizer.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def prompts(vocab: int, streams: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
+
+
+@dataclass
+class Result:
+    name: str
+    streams: int
+    tokens: int  # generated tokens per run
+    seconds: list[float]
+    outputs: list[list[int]]  # greedy tokens of the last run, per stream
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / statistics.median(self.seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "streams": self.streams, "tokens": self.tokens,
+                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
+
+
+# ------------------------------------------------------------------------------ mcserve
+
+
+class McserveRunner:
+    """mcserve's offline engine (``LLM.generate``), one engine per stream count."""
+
+    name = "mcserve"
+
+    def __init__(self, model_dir: Path, *, mc_variant: str = "none", **engine_kw: Any):
+        self.model_dir, self.mc_variant, self.engine_kw = model_dir, mc_variant, engine_kw
+        if mc_variant != "none":
+            self.name = f"mcserve {mc_variant}"
+
+    def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
+        from mcserve.engine.llm import LLM
+        from mcserve.engine.sampling import SamplingParams
+
+        max_len = len(ids[0]) + new_tokens + 1
+        llm = LLM(str(self.model_dir), max_num_seqs=len(ids), max_model_len=max_len,
+                  max_num_batched_tokens=max(512, len(ids) * len(ids[0])),
+                  enable_prefix_caching=False, mc_variant=self.mc_variant, **self.engine_kw)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate([ids[0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+        secs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            outs = llm.generate(ids, params)
+            secs.append(time.perf_counter() - t0)
+            assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+        return Result(self.name, len(ids), len(ids) * new_tokens, secs,
+                      [list(o.outputs[0].token_ids) for o in outs])
+
+
+# ------------------------------------------------------------------------------ transformers
+
+
+class TransformersRunner:
+    """transformers ``Mamba2ForCausalLM.generate`` (greedy, its own cache; on CPU it runs the
+    torch fallback path, as it does for any user without the CUDA kernels)."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir: Path):
+        from transformers import Mamba2ForCausalLM
+
+        self.model = Mamba2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
+        x = torch.tensor(ids)
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
+        with torch.inference_mode():
+            self.model.generate(x[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            secs = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = self.model.generate(x, attention_mask=torch.ones_like(x), **kw)
+                secs.append(time.perf_counter() - t0)
+                assert out.shape == (len(ids), x.shape[1] + new_tokens)
+        return Result(self.name, len(ids), len(ids) * new_tokens, secs,
+                      out[:, x.shape[1]:].tolist())
+
+
+# ------------------------------------------------------------------------------ llama.cpp
+
+
+def llama_cpp_missing() -> str | None:
+    """None when llama-cpp-python imports, else why not (shown instead of the column)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # not installed, or its shared library failed to load
+        return (f"llama.cpp column skipped: llama-cpp-python is not importable ({e}); "
+                "see bench/README.md for the build")
+    return None
+
+
+def llama_cpp_src(arg: str | None) -> Path | None:
+    src = arg or os.environ.get("LLAMA_CPP_SRC")
+    if src and (Path(src) / "convert_hf_to_gguf.py").is_file():
+        return Path(src)
+    return None
+
+
+def gguf_file(model_dir: Path, src: Path) -> Path:
+    """``model_dir`` converted to a float32 GGUF (cached beside it); no tokenizer is written."""
+    out = model_dir.with_name(model_dir.name + "-f32.gguf")
+    if out.is_file():
+        return out
+    bare = model_dir.with_name(model_dir.name + "-notok")
+    shutil.rmtree(bare, ignore_errors=True)
+    bare.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "tokenizer.json":
+            os.link(f, bare / f.name)
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(bare), "--outtype", "f32",
+           "--outfile", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(bare, ignore_errors=True)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return out
+
+
+class LlamaCppRunner:
+    """llama.cpp's own batched decode: one ``llama_decode`` per step with one token of every
+    stream (``n_seq_max`` = streams, one recurrent state per sequence), greedy on the logits."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, threads: int):
+        import llama_cpp as L
+
+        self.L, self.threads = L, threads
+        L.llama_backend_init()
+        # keep the callback referenced: llama.cpp calls it from C for as long as it runs
+        self._quiet = L.llama_log_callback(lambda *a: None)
+        L.llama_log_set(self._quiet, ctypes.c_void_p(0))
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+
+    def _context(self, streams: int, max_len: int, n_batch: int):
+        L = self.L
+        cp = L.llama_context_default_params()
+        cp.n_ctx = streams * max_len
+        cp.n_batch = cp.n_ubatch = n_batch
+        cp.n_seq_max = streams
+        cp.n_threads = cp.n_threads_batch = self.threads
+        ctx = L.llama_init_from_model(self.model, cp)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        return ctx
+
+    def _generate(self, ctx, ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+        import numpy as np
+
+        L = self.L
+        streams, plen = len(ids), len(ids[0])
+        batch = L.llama_batch_init(max(streams * plen, streams), 0, streams)
+        try:
+            def fill(entries):  # (token, pos, seq, wants_logits)
+                for i, (tok, pos, seq, lg) in enumerate(entries):
+                    batch.token[i], batch.pos[i] = tok, pos
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq
+                    batch.logits[i] = lg
+                batch.n_tokens = len(entries)
+                if L.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+
+            fill([(t, p, s, p == plen - 1) for s in range(streams)
+                  for p, t in enumerate(ids[s])])
+            rows = [s * plen + plen - 1 for s in range(streams)]
+            out: list[list[int]] = [[] for _ in range(streams)]
+            for step in range(new_tokens):
+                nxt = []
+                for s, row in enumerate(rows):
+                    lg = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row),
+                                               shape=(self.n_vocab,))
+                    nxt.append(int(lg.argmax()))
+                    out[s].append(nxt[-1])
+                if step == new_tokens - 1:
+                    break
+                fill([(nxt[s], plen + step, s, True) for s in range(streams)])
+                rows = list(range(streams))
+            return out
+        finally:
+            L.llama_batch_free(batch)
+
+    def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
+        L = self.L
+        streams = len(ids)
+        ctx = self._context(streams, len(ids[0]) + new_tokens + 1, max(512, streams * len(ids[0])))
+        try:
+            mem = L.llama_get_memory(ctx)
+            L.llama_memory_clear(mem, True)
+            self._generate(ctx, [ids[0][:4]] * streams, 2)  # warm up
+            secs = []
+            for _ in range(repeats):
+                L.llama_memory_clear(mem, True)
+                t0 = time.perf_counter()
+                out = self._generate(ctx, ids, new_tokens)
+                secs.append(time.perf_counter() - t0)
+                assert all(len(o) == new_tokens for o in out)
+        finally:
+            L.llama_free(ctx)
+        return Result(self.name, streams, streams * new_tokens, secs, out)
+
+
+def agreement(a: Result, b: Result) -> float:
+    """Fraction of streams whose greedy continuations are identical up to the first divergence
+    counted per token: tokens before each stream's first mismatch / all tokens. Same weights
+    give 1.0 unless float rounding flips a near-tie (random weights make near-ties common)."""
+    same = 0
+    for x, y in zip(a.outputs, b.outputs, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        same += n
+    return same / max(1, sum(len(x) for x in a.outputs))
+
+
+def describe_shape(shape: dict[str, Any]) -> str:
+    return json.dumps({k: shape[k] for k in ("hidden_size", "num_hidden_layers", "state_size",
+                                             "head_dim", "num_heads", "vocab_size")})
