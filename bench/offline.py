@@ -154,11 +154,11 @@ def compare(args: argparse.Namespace) -> None:
         for r in runners + ([tf] if n in args.tf_streams else []):
             res = r.run(ids, args.new_tokens, args.repeats)
             line = f"  {res.name:<16} streams {n:>3}: {res.tokens_per_s:8.1f} tokens/s"
-            if res.name != "mcserve":  # the same greedy tokens as mcserve on the same weights?
-                agree[(res.name, n)] = bl.agreement(results_n[0], res)
+            if res.name == "mcserve":
+                ref = res
+            else:  # the same greedy tokens as mcserve on the same weights?
+                agree[(res.name, n)] = bl.agreement(ref, res)
                 line += f" (tokens agreeing with mcserve: {agree[(res.name, n)]:.0%})"
-            else:
-                results_n = [res]
             print(line, flush=True)
             results.append(res)
     by = {(r.name, r.streams): r.tokens_per_s for r in results}

@@ -76,7 +76,7 @@ class _LogIndex:
     causal: Tensor  # (L, L) bool: j ≤ t
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)  # ~0.1 MB each; covers 16k-token training spans
 def _log_index(p0: int, L: int, device: torch.device) -> _LogIndex:
     """The tables of ``_LogIndex`` (cached: training and every layer revisit the same chunks)."""
     cp = [0] + log_boundaries(p0) + ([p0] if p0 else [])  # carried positions
