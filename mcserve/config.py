@@ -149,6 +149,9 @@ class EngineConfig:
     # variants that cache nothing (none, loglinear)
     num_state_blocks: int | None = None
     state_cache_mib: int = 1024  # memory budget (MiB) of the automatic block pool
+    # CPU: run nn.Linear layers through oneDNN-packed weight copies (models/packed_linear.py);
+    # 2-3x faster GEMMs at decode batch sizes, at the cost of a second copy of the weights
+    cpu_packed_weights: bool = True
     host_state_blocks: int = 0  # host tier for preempted sequences' blocks (0 = recompute)
     enable_prefix_caching: bool = True
     dtype: str = "float32"

@@ -59,6 +59,20 @@ def test_forward_decode_split_agree(memory, variant, mode, dtype, tol):
         assert state.pos == T
 
 
+def test_last_only_logits():
+    # the engine's prefill asks for the last position only: same logits, same state
+    torch.manual_seed(0)
+    model = MCForCausalLM(tiny("linear", "grm", "checkpoint")).double()
+    ids = torch.randint(0, 40, (2, 11))
+    with torch.no_grad():
+        full, s_full = model(ids)
+        last, s_last = model(ids, last_only=True)
+        assert last.shape == (2, 1, full.shape[-1])
+        assert torch.allclose(last, full[:, -1:], rtol=1e-12, atol=1e-12)  # GEMM rounding
+        nxt = torch.randint(0, 40, (2, 1))
+        assert torch.equal(model(nxt, s_full)[0], model(nxt, s_last)[0])
+
+
 def test_state_not_mutated():
     torch.manual_seed(0)
     model = MCForCausalLM(tiny("linear", "grm", "checkpoint")).double()

@@ -22,6 +22,7 @@ from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
 from mcserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 from mcserve.models.native import MCForCausalLM
+from mcserve.models.packed_linear import pack_linears
 from mcserve.models.registry import load_model
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
@@ -58,6 +59,8 @@ class LLMEngine:
                              else Tokenizer.byte_level())
             model_name = model_name or (path.name if config.model else "mcserve-default")
         model.eval()
+        if config.cpu_packed_weights and model.device.type == "cpu":
+            pack_linears(model)
         self.model = model
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer or Tokenizer.byte_level()

@@ -111,7 +111,7 @@ class ModelRunner:
             x = torch.tensor([seq.all_ids[seq.num_computed_tokens:][:item.num_tokens]],
                              device=self.model.device)
             state = None if item.resume_block is not None else self.states[seq.seq_id]
-            logits, self.states[seq.seq_id] = self.model(x, state)
+            logits, self.states[seq.seq_id] = self.model(x, state, last_only=not want_all_logits)
             seq.num_computed_tokens += item.num_tokens
             return logits[0] if want_all_logits else logits[0, -1:]
         if item.resume_block is not None:
@@ -126,7 +126,7 @@ class ModelRunner:
             if self.segmented:
                 n = min(n, self.C - seq.seg_len)
             x = torch.tensor([ids[p:p + n]], dtype=torch.long, device=self.model.device)
-            logits, state = self.model(x, state)
+            logits, state = self.model(x, state, last_only=not want_all_logits)
             outs.append(logits[0] if want_all_logits else logits[0, -1:])
             p += n
             seq.num_computed_tokens += n
@@ -168,7 +168,16 @@ class ModelRunner:
                 s.num_computed_tokens += 1
                 rows.append(logits[0, -1])
             return torch.stack(rows)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        # rows in slot order: when the slots are one contiguous range (the usual case with
+        # continuous batching), every layer's online state is a view of the slot pool and is
+        # updated in place, with no gather before the step and no scatter after it
+        order = sorted(range(len(items)), key=lambda r: seqs[r].slot)
+        items = [items[r] for r in order]
+        seqs = [it.seq for it in items]
+        s0 = seqs[0].slot
+        contiguous = all(s.slot == s0 + r for r, s in enumerate(seqs))
+        idx = (slice(s0, s0 + len(seqs)) if contiguous else
+               torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev))
         n_max = max(len(s.block_table) for s in seqs)
         table = torch.full((len(seqs), n_max), -1, dtype=torch.long, device=dev)
         for r, s in enumerate(seqs):
@@ -184,12 +193,13 @@ class ModelRunner:
                                               strict=True)):
             keys = mc.family.readout_keys
             layers.append(PagedLayer(
-                mem={n[4:]: t[slots] for n, t in sl.items() if n.startswith("mem.")},
-                conv=sl["conv"][slots] if "conv" in sl else None,
-                seg_ksum=sl["seg_ksum"][slots], seg_len=seg_len, n_seg=n_seg,
-                csum={k: sl[f"csum.{k}"][slots] for k in keys} if mc.collapsed else None,
+                mem={n[4:]: t[idx] for n, t in sl.items() if n.startswith("mem.")},
+                conv=sl["conv"][idx] if "conv" in sl else None,
+                seg_ksum=sl["seg_ksum"][idx], seg_len=seg_len, n_seg=n_seg,
+                csum={k: sl[f"csum.{k}"][idx] for k in keys} if mc.collapsed else None,
                 table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
                 fetch=partial(self.cache.fetch, li) if offloaded else None, top_k=top_k,
+                inplace=True,  # views of the pool, or gathered copies: writable either way
             ))
         tokens = torch.tensor([[s.all_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]
@@ -215,18 +225,23 @@ class ModelRunner:
                     for k, t in pl.mem.items():
                         t[rows] = init[k]
         for sl, pl in zip(self.cache.slot, layers, strict=True):
-            for k, t in pl.mem.items():
-                sl[f"mem.{k}"][slots] = t
-            sl["seg_ksum"][slots] = pl.seg_ksum
+            news = {f"mem.{k}": t for k, t in pl.mem.items()}
+            news["seg_ksum"] = pl.seg_ksum
             if pl.conv is not None:
-                sl["conv"][slots] = pl.conv
+                news["conv"] = pl.conv
             if pl.csum is not None:
-                for k, t in pl.csum.items():
-                    sl[f"csum.{k}"][slots] = t
+                news.update({f"csum.{k}": t for k, t in pl.csum.items()})
+            for name, t in news.items():
+                dst = sl[name]
+                if not (contiguous and t.data_ptr() == dst[idx].data_ptr()):  # not in place
+                    dst[idx] = t
         for r, s in enumerate(seqs):
             s.num_computed_tokens += 1
             s.seg_len += 1
             if r in done:
                 s.seg_len = 0
                 self._register(s, items[r].new_blocks[0])
-        return logits
+        back = torch.empty(len(order), dtype=torch.long, device=logits.device)
+        back[torch.tensor(order, device=logits.device)] = torch.arange(len(order),
+                                                                       device=logits.device)
+        return logits[back]  # in the callers' row order

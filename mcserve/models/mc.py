@@ -215,6 +215,8 @@ class PagedLayer:
     # every block in ``table`` is on the device
     fetch: Callable[[Tensor], Tensor] | None = None
     top_k: Tensor | None = None  # (B,) per-row ssc top_k overrides; None = MCConfig.top_k
+    # ``mem`` may be updated in place (it is a view of the engine's slot pool, or scratch)
+    inplace: bool = False
 
 
 class MCMemory:
@@ -291,7 +293,7 @@ class MCMemory:
         if variant == "loglinear":
             raise NotImplementedError("loglinear decode over a block pool is not supported")
         if variant == "none":
-            y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
+            y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, inplace=pl.inplace)
             return y
         if self.family.linear and variant in ("grm", "soup", "ssc"):
             from mcserve.kernels import dispatch
@@ -304,7 +306,7 @@ class MCMemory:
         if self.collapsed:
             scale = (q.new_ones(B) if variant == "residual"
                      else 1.0 / (pl.n_seg + 1).to(q.dtype))[:, None, None]  # (B, 1, 1)
-            o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
+            o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, inplace=pl.inplace)
             w = scale[..., None].expand(B, 1, 1, H)
             csum = {key: t[:, None] for key, t in pl.csum.items()}
             return o * scale[..., None] + self.family.readout_mix(csum, q, w)
@@ -345,7 +347,7 @@ class MCMemory:
             cached = self._gather_blocks_by_id(pl.pool, ids)
             y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, (w_on, cached, w_c))
             return y
-        o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates)
+        o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, inplace=pl.inplace)
         y = o * w_on[..., None]
         if w_c.shape[2]:
             paged = getattr(self.family, "readout_mix_paged", None)
@@ -362,7 +364,8 @@ class MCMemory:
         return {key: t[ids, h] for key, t in pool.items()}
 
     def _scan_rows(self, mem: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor],
-                   soup: tuple | None = None) -> tuple[Tensor, State]:
+                   soup: tuple | None = None, *, inplace: bool = False
+                   ) -> tuple[Tensor, State]:
         """family.scan (or scan_soup) for rows that may sit at different inner-chunk phases.
 
         Deep memories keep the fill of the current inner chunk per row; their scan needs one
@@ -370,11 +373,14 @@ class MCMemory:
         loop over sequences).
         """
         def run(m, qq, kk, vv, gg, sp):
+            if sp is None and inplace and qq.shape[1] == 1:
+                return self.family.step_(m, qq, kk, vv, gg), m
             if sp is None:
                 return self.family.scan(m, qq, kk, vv, gg)
             w_on, cached, w_c = sp
             return self.family.scan_soup(m, qq, kk, vv, gg, w_on, cached, w_c)
 
+        inplace = inplace and hasattr(self.family, "step_")
         fill = mem.get("fill")
         if fill is None or bool((fill == fill[0]).all()):
             return run(mem, q, k, v, gates, soup)

@@ -231,9 +231,13 @@ class RecurrentLM(nn.Module):
         return ModelState([blk.mixer.init_state(batch, self.dtype, self.device)
                            for blk in self.layers])
 
-    def forward(self, input_ids: Tensor, state: ModelState | None = None
-                ) -> tuple[Tensor, ModelState]:
-        """input_ids ``(B, T)`` → logits ``(B, T, vocab)`` and the state after the last token."""
+    def forward(self, input_ids: Tensor, state: ModelState | None = None, *,
+                last_only: bool = False) -> tuple[Tensor, ModelState]:
+        """input_ids ``(B, T)`` → logits ``(B, T, vocab)`` and the state after the last token.
+
+        ``last_only``: logits of the last position only, ``(B, 1, vocab)``; the LM head of a
+        large vocabulary over every prompt token otherwise dominates a long prefill.
+        """
         if input_ids.dim() != 2:
             shape = tuple(input_ids.shape)
             raise ValueError(f"input_ids must be (batch, tokens), got shape {shape}")
@@ -244,6 +248,8 @@ class RecurrentLM(nn.Module):
         for blk, ls in zip(self.layers, state.layers, strict=True):
             x, ls = blk(x, ls)
             new_layers.append(ls)
+        if last_only:
+            x = x[:, -1:]
         return self._head(x), replace(state, layers=new_layers)
 
     def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
@@ -270,7 +276,7 @@ class RecurrentLM(nn.Module):
         gen = torch.Generator(device="cpu")
         if seed is not None:
             gen.manual_seed(seed)
-        logits, state = self(ids)
+        logits, state = self(ids, last_only=True)
         out: list[int] = []
         for _ in range(max_new_tokens):
             last = logits[0, -1].float()

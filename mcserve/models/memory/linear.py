@@ -70,6 +70,23 @@ class LinearMemory:
         o, S = chunk_gla(q, k, v, gates.get("log_a"), gates.get("b"), state["S"])
         return o, {"S": S}
 
+    def step_(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
+              ) -> Tensor:
+        """``scan`` of one token (T = 1) that updates ``state["S"]`` in place; returns o.
+
+        The engine's decode passes views of its slot pool here, so the state is read and
+        written where it lives: two passes over S plus the readout, instead of a gather, two
+        out-of-place passes, the readout and a scatter back.
+        """
+        S = state["S"]  # (B, H, K, V)
+        kt = k[:, 0]  # (B, H, K)
+        if gates.get("b") is not None:
+            kt = kt * gates["b"][:, 0, :, None]
+        if gates.get("log_a") is not None:
+            S.mul_(gates["log_a"][:, 0].exp()[..., None, None])
+        S.addcmul_(kt[..., :, None], v[:, 0, :, None, :])
+        return torch.matmul(q[:, 0, :, None, :], S).transpose(1, 2)  # (B, 1, H, V)
+
     def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
         return _readout_mix_linear(mem["S"], q, w)
 

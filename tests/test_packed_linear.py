@@ -1,0 +1,69 @@
+"""oneDNN-packed ``nn.Linear`` (mcserve/models/packed_linear.py) against its twin ``F.linear``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mcserve.models import packed_linear as pl
+
+pytestmark = pytest.mark.skipif(not pl.available(),
+                                reason="this torch build has no oneDNN (x86 CPU) linear ops")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 17, 600], ids=lambda r: f"M{r}")
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("hint", [1, 8])
+def test_packed_matches_linear(rows, bias, hint):
+    g = torch.Generator().manual_seed(rows * 3 + hint)
+    w = torch.randn(37, 29, generator=g)
+    b = torch.randn(37, generator=g) if bias else None
+    x = torch.randn(rows, 29, generator=g)
+    y = pl.packed_linear(x, pl.pack_weight(w, hint), b)
+    assert y.shape == (rows, 37)
+    if rows:
+        assert _rel(y, F.linear(x, w, b)) < 1e-5
+
+
+def test_packed_bf16_and_batched_shapes():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 48, generator=g)
+    x = torch.randn(2, 5, 48, generator=g)
+    assert _rel(pl.packed_linear(x, pl.pack_weight(w), None), F.linear(x, w)) < 1e-5
+    wb, xb = w.bfloat16(), x.bfloat16()
+    y = pl.packed_linear(xb, pl.pack_weight(wb), None)
+    assert y.dtype == torch.bfloat16 and _rel(y, F.linear(xb, wb)) < 2e-2
+
+
+def test_pack_linears_routes_inference_and_falls_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    x = torch.randn(4, 16)
+    want = model(x).detach()
+    assert pl.pack_linears(model) == 2 and pl.pack_linears(model) == 0  # idempotent
+    calls = []
+    real = pl.packed_linear
+    try:
+        pl.packed_linear = lambda *a: calls.append(1) or real(*a)
+        with torch.no_grad():
+            assert _rel(model(x), want) < 1e-5
+        assert len(calls) == 2  # both layers took the packed path
+        # autograd on: the plain path, gradients flow to the real parameters
+        model(x).sum().backward()
+        assert len(calls) == 2 and model[0].weight.grad is not None
+        # a weight changed in place after packing: the stale packed copy is not used
+        with torch.no_grad():
+            model[2].weight.mul_(2)
+            assert _rel(model(x), 2 * want) < 1e-5
+        assert len(calls) == 3  # only the first layer was still packed-valid
+        # float64 weights are never packed; unpack restores the class forward
+        assert pl.unpack_linears(model) == 2 and "forward" not in model[0].__dict__
+        assert pl.pack_linears(nn.Linear(3, 3).double()) == 0
+    finally:
+        pl.packed_linear = real
+    sd = model.state_dict()
+    assert set(sd) == {"0.weight", "0.bias", "2.weight"}  # no extra state
