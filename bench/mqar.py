@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="ssc: cached segments read (of at most T/C - 1)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--variant-steps", nargs="*",
-                    default=["loglinear=800", "dla=800", "titans=800"],
+                    default=["dla=800", "titans=800"],
                     help="step counts per family/variant, variant or family, e.g. "
                          "loglinear=200 dla=300 dla/grm=400 (most specific wins)")
     ap.add_argument("--batch", type=int, default=32)

@@ -155,10 +155,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = _up(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = F.rms_norm(_up(x), (x.shape[-1],), eps=self.eps)  # one fused op
+        return self.weight * h.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -178,8 +176,7 @@ class GatedRMSNorm(nn.Module):
             h = h * F.silu(_up(z))
         *pre, d = h.shape
         g = h.view(*pre, d // self.group_size, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = g.view(*pre, d)
+        h = F.rms_norm(g, (self.group_size,), eps=self.eps).view(*pre, d)
         if self.norm_before_gate:
             h = h * F.silu(_up(z))
         return self.weight * h.to(dtype)
@@ -228,17 +225,24 @@ class Mamba2Mixer(nn.Module):
         conv_tail = full[:, full.shape[1] - (cfg.conv_size - 1):]
         # depthwise causal conv as w shifted multiply-adds (faster than grouped conv1d on CPU)
         w = self.conv1d.weight[:, 0]  # (C, w)
-        out = full[:, :T] * w[:, 0]
-        for j in range(1, w.shape[1]):
-            out = out + full[:, j:j + T] * w[:, j]
+        if T == 1:  # decode: one product and one sum over the window
+            out = (full * w.t()).sum(1, keepdim=True)
+        else:
+            out = full[:, :T] * w[:, 0]
+            for j in range(1, w.shape[1]):
+                out = out + full[:, j:j + T] * w[:, j]
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
         xbc = F.silu(out)
         xs, Bm, Cm = xbc.split([cfg.d_inner, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P)
         rep = H // G
-        k = Bm.reshape(B, T, G, N).repeat_interleave(rep, dim=2)  # (B, T, H, N)
-        q = Cm.reshape(B, T, G, N).repeat_interleave(rep, dim=2)
+        if G == 1:  # one group (most checkpoints): a broadcast view, no copy
+            k = Bm.reshape(B, T, 1, N).expand(B, T, H, N)  # (B, T, H, N)
+            q = Cm.reshape(B, T, 1, N).expand(B, T, H, N)
+        else:
+            k = Bm.reshape(B, T, G, N).repeat_interleave(rep, dim=2)  # (B, T, H, N)
+            q = Cm.reshape(B, T, G, N).repeat_interleave(rep, dim=2)
         delta = F.softplus(_up(dt) + _up(self.dt_bias))  # (B, T, H)
         lo, hi = cfg.time_step_limit
         if lo > 0 or hi != math.inf:

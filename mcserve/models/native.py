@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
 
 
 class MCMixer(nn.Module):
