@@ -39,12 +39,23 @@ def test_packed_bf16_and_batched_shapes():
     assert y.dtype == torch.bfloat16 and _rel(y, F.linear(xb, wb)) < 2e-2
 
 
+def test_pack_inference_mode_weights():
+    # weights created under inference_mode have no version counter
+    with torch.inference_mode():
+        lin = nn.Linear(8, 4)
+        x = torch.randn(3, 8)
+        want = F.linear(x, lin.weight, lin.bias)
+        assert pl.pack_linears(lin, min_numel=1) == 1
+        assert _rel(lin(x), want) < 1e-5
+
+
 def test_pack_linears_routes_inference_and_falls_back():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
     x = torch.randn(4, 16)
     want = model(x).detach()
-    assert pl.pack_linears(model) == 2 and pl.pack_linears(model) == 0  # idempotent
+    assert pl.pack_linears(model, min_numel=1) == 2
+    assert pl.pack_linears(model, min_numel=1) == 0  # idempotent
     calls = []
     real = pl.packed_linear
     try:
@@ -62,7 +73,8 @@ def test_pack_linears_routes_inference_and_falls_back():
         assert len(calls) == 3  # only the first layer was still packed-valid
         # float64 weights are never packed; unpack restores the class forward
         assert pl.unpack_linears(model) == 2 and "forward" not in model[0].__dict__
-        assert pl.pack_linears(nn.Linear(3, 3).double()) == 0
+        assert pl.pack_linears(nn.Linear(3, 3).double(), min_numel=1) == 0
+        assert pl.pack_linears(nn.Linear(3, 3)) == 0  # below the default size threshold
     finally:
         pl.packed_linear = real
     sd = model.state_dict()
