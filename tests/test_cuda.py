@@ -43,6 +43,13 @@ def _run(model: MCForCausalLM, device: str, **kw) -> tuple[list[list[int]], LLME
     return [o.outputs[0].token_ids for o in outs], eng
 
 
+def test_engine_on_cuda_none_matches_cpu():
+    # no MC: the in-place decode step (LinearMemory.step_) on views of the CUDA slot pool
+    want, _ = _run(_model("linear", "none", "checkpoint", "cpu"), "cpu")
+    got, _ = _run(_model("linear", "none", "checkpoint", "cuda"), "cuda")
+    assert got == want
+
+
 @pytest.mark.parametrize("memory,variant,mode,pool", [
     pytest.param("linear", "grm", "checkpoint", {}, id="linear-grm"),
     pytest.param("swla", "soup", "checkpoint", {}, id="swla-soup"),
