@@ -66,6 +66,30 @@ COMBOS = [
 
 
 @pytest.mark.parametrize("memory,variant,mode", COMBOS)
+def test_batched_prefill_same_as_alone(monkeypatch, memory, variant, mode):
+    # prompts of equal length arriving together prefill as one batch (ModelRunner.prefill_batch)
+    # through segment pushes: same greedy tokens as generating each alone; a prefix-cache hit on
+    # the second round resumes every row from a cached block and batches again
+    model = make_model(memory, variant, mode)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 256, (n,), generator=g).tolist() for n in [10] * 4 + [7] * 3]
+    alone = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    eng = make_engine(model)
+    sizes = []
+    real = eng.runner.prefill_batch
+    monkeypatch.setattr(eng.runner, "prefill_batch",
+                        lambda items: sizes.append(len(items)) or real(items))
+    assert run(eng, ps) == alone
+    if variant == "loglinear":  # private per-sequence states: never batched
+        assert not sizes
+        return
+    assert sizes and max(sizes) >= 3
+    sizes.clear()
+    assert run(eng, ps) == alone
+    assert max(sizes) >= 3
+
+
+@pytest.mark.parametrize("memory,variant,mode", COMBOS)
 def test_greedy_same_alone_batched_preempted_cached(memory, variant, mode):
     model = make_model(memory, variant, mode)
     ps = prompts()

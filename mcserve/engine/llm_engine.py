@@ -194,20 +194,34 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        # prefills of sequences at the same phase run as one batch (short prompts arriving
+        # together); those that want every position's logits (prompt logprobs) run alone
+        groups: dict[object, list] = {}
         for item in sched.prefills:
             seq = item.seq
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
+            touched[seq.request_id] = self.requests[seq.request_id]
+            want_all = seq.params.prompt_logprobs is not None and not seq.output_ids
+            key = None if want_all else self.runner.batch_key(item)
+            groups.setdefault(("alone", id(item)) if key is None else key, []).append(item)
+        for group in groups.values():
             try:
+                if len(group) > 1:
+                    logits = self.runner.prefill_batch(group)
+                    for item, row in zip(group, logits, strict=True):
+                        if item.seq.num_computed_tokens == item.seq.num_tokens:
+                            to_sample.append((item.seq, row))
+                    continue
+                seq = group[0].seq
                 want_all = seq.params.prompt_logprobs is not None and not seq.output_ids
                 p0 = seq.num_computed_tokens
-                logits = self.runner.prefill(item, want_all)
+                logits = self.runner.prefill(group[0], want_all)
                 if want_all:
                     self._prompt_logprobs(seq, p0, logits)
                 if seq.num_computed_tokens == seq.num_tokens:
                     to_sample.append((seq, logits[-1]))
-            except Exception as e:  # one request's failure fails only that request
-                self._fail(req, e)
+            except Exception as e:  # fails only the requests of this prefill (batch)
+                for item in group:
+                    self._fail(self.requests[item.seq.request_id], e)
         if sched.decodes:
             try:
                 logits = self.runner.decode(sched.decodes)

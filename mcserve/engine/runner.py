@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -81,17 +82,37 @@ class ModelRunner:
             layers.append(LayerState(st, conv))
         return ModelState(layers)
 
-    def store_state(self, seq: Sequence, state: ModelState) -> None:
-        s = seq.slot
+    def store_state(self, seqs: list[Sequence], state: ModelState) -> None:
+        """Row r of ``state`` back into the slot of ``seqs[r]``."""
+        s = torch.tensor([q.slot for q in seqs], dtype=torch.long, device=self.model.device)
         for mc, sl, ls in zip(self.mems, self.cache.slot, state.layers, strict=True):
             for k, t in ls.mc.mem.items():
-                sl[f"mem.{k}"][s] = t[0]
-            sl["seg_ksum"][s] = ls.mc.seg_ksum[0]
+                sl[f"mem.{k}"][s] = t
+            sl["seg_ksum"][s] = ls.mc.seg_ksum
             if ls.conv is not None:
-                sl["conv"][s] = ls.conv[0]
+                sl["conv"][s] = ls.conv
             if mc.collapsed and ls.mc.num_cached:
                 for k in mc.family.readout_keys:
-                    sl[f"csum.{k}"][s] = ls.mc.cached[k][0, 0]
+                    sl[f"csum.{k}"][s] = ls.mc.cached[k][:, 0]
+
+    @staticmethod
+    def _stack_states(states: list[ModelState]) -> ModelState:
+        """Batch-of-one states of sequences at the same phase (same segment fill, same number of
+        cached segments) → one batched state."""
+        if len(states) == 1:
+            return states[0]
+        layers = []
+        for lss in zip(*(st.layers for st in states), strict=True):
+            m = [ls.mc for ls in lss]
+            mc = replace(m[0], mem={k: torch.cat([x.mem[k] for x in m]) for k in m[0].mem},
+                         seg_ksum=torch.cat([x.seg_ksum for x in m]),
+                         cached={k: torch.cat([x.cached[k] for x in m]) for k in m[0].cached},
+                         cached_ksum=torch.cat([x.cached_ksum for x in m]),
+                         cached_len=list(m[0].cached_len), cached_pos=list(m[0].cached_pos),
+                         _stack=None)
+            conv = None if lss[0].conv is None else torch.cat([ls.conv for ls in lss])
+            layers.append(LayerState(mc, conv))
+        return ModelState(layers)
 
     def _register(self, seq: Sequence, bid: int) -> None:
         i = len(seq.block_table)
@@ -102,6 +123,50 @@ class ModelRunner:
         self.cache.register(bid, h)
 
     # ------------------------------------------------------------------ prefill
+    def batch_key(self, item: ScheduledSeq) -> tuple | None:
+        """Prefill items with equal keys can run as one batch (``prefill_batch``); None: alone.
+        Equal keys mean the same number of tokens from the same phase: the same fill of the
+        online segment and the same number of cached segments (so segment boundaries and the
+        cached stack line up across rows) and the same per-request MC overrides."""
+        seq = item.seq
+        if self.private:
+            return None
+        return (item.num_tokens, seq.seg_len, len(seq.block_table), seq.top_k)
+
+    @torch.no_grad()
+    def prefill_batch(self, items: list[ScheduledSeq]) -> Tensor:
+        """``prefill`` of several sequences with one ``batch_key`` as one batch; returns the
+        last position's logits of each ``(B, V)``. Short prompts arriving together cost one
+        pass over the weights instead of one per sequence."""
+        if len(items) == 1:
+            return self.prefill(items[0], False)
+        seqs = [it.seq for it in items]
+        assert len({self.batch_key(it) for it in items}) == 1, "prefill_batch: mixed phases"
+        for it in items:
+            if it.resume_block is not None:
+                self.init_slot(it.seq, it.resume_block)
+        state = self._stack_states([self.load_state(q) for q in seqs])
+        n = items[0].num_tokens
+        rows = [q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n] for q in seqs]
+        new_blocks = [list(it.new_blocks) for it in items]
+        p, logits = 0, None
+        while p < n:
+            m = n - p
+            if self.segmented:
+                m = min(m, self.C - seqs[0].seg_len)
+            x = torch.tensor([r[p:p + m] for r in rows], dtype=torch.long,
+                             device=self.model.device)
+            logits, state = self.model(x, state, last_only=True)
+            p += m
+            for q in seqs:
+                q.num_computed_tokens += m
+                q.seg_len += m
+            if self.segmented and seqs[0].seg_len == self.C:
+                self._push_state(seqs, state, [nb.pop(0) for nb in new_blocks])
+        assert not any(new_blocks), "scheduler allocated blocks the chunk did not complete"
+        self.store_state(seqs, state)
+        return logits[:, -1]
+
     @torch.no_grad()
     def prefill(self, item: ScheduledSeq, want_all_logits: bool) -> Tensor:
         """Compute ``item.num_tokens`` tokens of one sequence; returns logits ``(n, V)`` (all
@@ -132,27 +197,30 @@ class ModelRunner:
             seq.num_computed_tokens += n
             seq.seg_len += n
             if self.segmented and seq.seg_len == self.C:
-                self._push_state(seq, state, new_blocks.pop(0))
+                self._push_state([seq], state, [new_blocks.pop(0)])
         assert not new_blocks, "scheduler allocated blocks the chunk did not complete"
-        self.store_state(seq, state)
+        self.store_state([seq], state)
         return torch.cat(outs) if want_all_logits else outs[-1]
 
-    def _push_state(self, seq: Sequence, state: ModelState, bid: int) -> None:
-        """The online segment just completed: write its checkpoint into block ``bid``."""
+    def _push_state(self, seqs: list[Sequence], state: ModelState, bids: list[int]) -> None:
+        """The online segment of every row just completed: write row r's checkpoint into block
+        ``bids[r]``."""
+        idx = torch.tensor(bids, dtype=torch.long, device=self.model.device)
         for mc, bl, ls, init in zip(self.mems, self.cache.block, state.layers, self.inits,
                                     strict=True):
             st = ls.mc
             for k, t in st.mem.items():
-                bl[f"mem.{k}"][bid] = t[0]
-            bl["ksum"][bid] = st.seg_ksum[0]
+                bl[f"mem.{k}"][idx] = t
+            bl["ksum"][idx] = st.seg_ksum
             if ls.conv is not None:
-                bl["conv"][bid] = ls.conv[0]
+                bl["conv"][idx] = ls.conv
             mc.push(st, init)
             if mc.collapsed:
                 for k in mc.family.readout_keys:
-                    bl[f"csum.{k}"][bid] = st.cached[k][0, 0]
-        seq.seg_len = 0
-        self._register(seq, bid)
+                    bl[f"csum.{k}"][idx] = st.cached[k][:, 0]
+        for seq, bid in zip(seqs, bids, strict=True):
+            seq.seg_len = 0
+            self._register(seq, bid)
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
