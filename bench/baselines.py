@@ -308,6 +308,20 @@ def agreement(a: Result, b: Result) -> float:
     return same / max(1, sum(len(x) for x in a.outputs))
 
 
+def llama_cpp_runner(model_dir: Path, src_arg: str | None, threads: int
+                     ) -> tuple[LlamaCppRunner | None, str | None]:
+    """The llama.cpp runner for ``model_dir`` (converting it on first use), or None and the
+    reason to print instead of its column."""
+    why = llama_cpp_missing()
+    src = llama_cpp_src(src_arg)
+    if why is None and src is None:
+        why = ("llama.cpp column skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or set "
+               "LLAMA_CPP_SRC to the sdist's vendor/llama.cpp folder)")
+    if why is not None:
+        return None, why
+    return LlamaCppRunner(gguf_file(model_dir, src), threads), None
+
+
 def describe_shape(shape: dict[str, Any]) -> str:
     return json.dumps({k: shape[k] for k in ("hidden_size", "num_hidden_layers", "state_size",
                                              "head_dim", "num_heads", "vocab_size")})

@@ -135,18 +135,9 @@ def compare(args: argparse.Namespace) -> None:
     runners: list = [bl.McserveRunner(model_dir)]
     runners += [bl.McserveRunner(model_dir, mc_variant=v, segment_len=16, state_cache_mib=8192)
                 for v in args.mc]
-    notes = []
-    llama = None
-    why = bl.llama_cpp_missing()
-    src = bl.llama_cpp_src(args.llama_cpp_src)
-    if why is None and src is None:
-        why = ("llama.cpp column skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or set "
-               "LLAMA_CPP_SRC to the sdist's vendor/llama.cpp folder)")
-    if why is None:
-        llama = bl.LlamaCppRunner(bl.gguf_file(model_dir, src), threads)
-        runners.append(llama)
-    else:
-        notes.append(why)
+    llama, why = bl.llama_cpp_runner(model_dir, args.llama_cpp_src, threads)
+    runners += [llama] if llama is not None else []
+    notes = [why] if why else []
     tf = bl.TransformersRunner(model_dir)
     results, agree = [], {}
     for n in args.streams:

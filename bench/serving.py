@@ -306,17 +306,9 @@ def compare_baselines(args: argparse.Namespace, shape: dict[str, Any], ids: list
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     model_dir = Path(args.model)
-    runners: list[Any] = []
-    notes = []
-    why = bl.llama_cpp_missing()
-    src = bl.llama_cpp_src(args.llama_cpp_src)
-    if why is None and src is None:
-        why = ("llama.cpp column skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or set "
-               "LLAMA_CPP_SRC)")
-    if why is None:
-        runners.append(bl.LlamaCppRunner(bl.gguf_file(model_dir, src), threads))
-    else:
-        notes.append(why)
+    llama, why = bl.llama_cpp_runner(model_dir, args.llama_cpp_src, threads)
+    runners: list[Any] = [llama] if llama is not None else []
+    notes = [why] if why else []
     runners.append(bl.TransformersRunner(model_dir))
     rows, out = [], {"http_tokens_per_s": http_tps, "baselines": [], "notes": notes}
     for r in runners:
