@@ -21,7 +21,7 @@ Models (all float32, random weights, the same seed for every variant):
 * ``ssc8-host``: ``ssc`` top_k 8 with a device pool of only ``--device-fraction`` (25%) of the
   blocks the sequence needs and the rest in the host tier (``host_state_blocks``): the engine
   offloads the oldest blocks and fetches the router's selection into a staging area per step.
-  Its device bytes include its share of the staging area (``max_num_seqs·top_k·n_heads``
+  Its device bytes include its share of the staging area (``max_num_seqs·top_k``
   blocks, divided by ``max_num_seqs``). On a CPU-only host both tiers are RAM: the split shows
   what the engine *would* keep on a GPU, and the decode rate includes the copies. A fresh engine
   per (length, batch) sized for that batch; batch 8 only with ``--host-batches 1 8``.

@@ -309,9 +309,25 @@ def test_ssc_more_segments_than_device_pool(mode):
     assert want == [model.generate(p, 12) for p in ps]
     small = make_engine(model, num_state_blocks=6, host_state_blocks=64,
                         max_num_batched_tokens=16)
+    cache, per_fetch = small.cache, []
+    real_fetch = cache.fetch
+
+    def fetch(*a):
+        b0, n0 = cache.bytes_moved, cache.num_fetched
+        out = real_fetch(*a)
+        per_fetch.append((cache.bytes_moved - b0, cache.num_fetched - n0))
+        return out
+
+    cache.fetch = fetch
     assert run(small, ps, params) == want
     st = small.stats()
     assert st["host_blocks_offloaded"] > 0 and st["host_blocks_fetched"] > 0
+    # staging: one row per (slot, pick), each head staging into its own slice of a row; a fetch
+    # copies one head of one layer's readout state (K x V float64), not a whole block
+    cfg = model.config
+    assert cache.num_staging == 8 * cfg.mc_top_k and cache.host_base == 6 + 8 * cfg.mc_top_k
+    assert sum(n for _, n in per_fetch) > 0
+    assert all(b == n * cfg.head_dim * cfg.head_dim * 8 for b, n in per_fetch)
 
 
 def test_sampler_failure_in_one_row_fails_only_that_request():

@@ -453,7 +453,7 @@ def _paged_layer(family_name, variant, seed, lens, C=4, top_k=2, H=2, K=4, V=3, 
             staged[bid] = 1e3  # stale device copy: the right data comes only via fetch
         host_pool = pool.clone()
 
-        def fetch_fn(x):
+        def fetch_fn(x, head_dim):
             out = x.clone()
             for hid, (bid, row) in lut.items():
                 m = x == hid

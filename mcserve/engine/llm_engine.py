@@ -68,8 +68,9 @@ class LLMEngine:
         mcfg = self.model_config
         salt = json.dumps(mcfg.to_dict(), sort_keys=True).encode()
         ssc = mcfg.mc_variant == "ssc"
-        # staging rows for host blocks the ssc router selects: every row, head and pick at once
-        staging = config.max_num_seqs * mcfg.mc_top_k * mcfg.n_heads if ssc else 0
+        # staging rows for host blocks the ssc router selects: every row's picks at once (each
+        # head stages into its own slice of a row)
+        staging = config.max_num_seqs * mcfg.mc_top_k if ssc else 0
         segmented = mcfg.mc_variant not in ("none", "loglinear")
         self.num_state_blocks = self._pool_size(config, model, segmented)
         self.cache = StateCache(model, self.num_state_blocks, config.max_num_seqs,

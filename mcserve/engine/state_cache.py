@@ -84,8 +84,13 @@ class StateCache:
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
         self.free_host: list[int] = list(range(host_blocks - 1, -1, -1))
-        # per layer: host block id -> staging slot on the device, least recently used first
-        self.staged: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.block]
+        # per layer and head: host block id -> staging row, least recently used first. A head's
+        # pick is staged into that head's slice of a row only (the readout reads pool[row, h]),
+        # so a row serves one pick of every head and only the readout tensors are copied
+        heads = template.layers[0].mc.seg_ksum.shape[1]
+        self.readout_names = [[f"mem.{k}" for k in mc.family.readout_keys] for mc in mems]
+        self.staged: list[list[OrderedDict[int, int]]] = [
+            [OrderedDict() for _ in range(heads)] for _ in self.block]
         self.bytes_moved = 0  # host <-> device traffic (swaps, offloads, fetches)
         self.num_offloaded = 0  # blocks of running ssc sequences moved to the host tier
         self.num_fetched = 0  # (layer, host block) copies into staging for the ssc router
@@ -193,8 +198,9 @@ class StateCache:
     # ------------------------------------------------------------------ host tier
     def _free_host(self, h: int) -> None:
         assert h not in self.free_host, f"host block {h} freed twice"
-        for staged in self.staged:
-            staged.pop(h, None)
+        for layer in self.staged:
+            for staged in layer:
+                staged.pop(h, None)
         self.free_host.append(h)
 
     def _copy_block(self, dst: list[dict[str, Tensor]], di: int,
@@ -230,38 +236,45 @@ class StateCache:
         self._free_host(h)
         return bid
 
-    def fetch(self, layer: int, ids: Tensor) -> Tensor:
-        """Map unified block ids to device rows for ``layer``: host blocks are copied into the
-        layer's staging area (LRU cached there). Used by the ssc router's selected blocks."""
-        host = ids >= self.host_base
-        if not bool(host.any()):
+    def fetch(self, layer: int, ids: Tensor, head_dim: int = -1) -> Tensor:
+        """Map unified block ids to device rows for ``layer``; ``ids`` has one entry per head
+        along ``head_dim`` (the pick of that head). Head h of a host block is copied into head
+        h of a staging row (LRU cached per layer and head); only the readout state is copied.
+        Used for the ssc router's selected blocks."""
+        if not bool((ids >= self.host_base).any()):
             return ids
-        staged, dst, src = self.staged[layer], self.block[layer], self.host[layer]
-        wanted = (ids[host] - self.host_base).unique().tolist()
-        if len(wanted) > self.num_staging:
-            raise RuntimeError(f"{len(wanted)} host blocks selected at once but only "
-                               f"{self.num_staging} staging blocks")
-        for h in wanted:  # hits first, so that this call's misses never evict them
-            if h in staged:
-                staged.move_to_end(h)
-        taken = set(staged.values())
-        free_rows = [r for r in range(self.num_staging) if r not in taken]
-        for h in wanted:
-            if h in staged:
+        dst, src = self.block[layer], self.host[layer]
+        by_head = ids.movedim(head_dim, -1)  # (..., H)
+        out = by_head.clone()
+        for h, staged in enumerate(self.staged[layer]):
+            col = by_head[..., h]
+            host = col >= self.host_base
+            if not bool(host.any()):
                 continue
-            row = free_rows.pop() if free_rows else staged.popitem(last=False)[1]
-            for name, t in dst.items():
-                if name != "ksum":
-                    t[self.num_blocks + row].copy_(src[name][h], non_blocking=True)
-            self.bytes_moved += self.bytes_per_block // len(self.block)
-            self.num_fetched += 1
-            staged[h] = row
-        lut = torch.full((self.num_host_blocks,), -1, dtype=torch.long)
-        for h, row in staged.items():
-            lut[h] = self.num_blocks + row
-        out = ids.clone()
-        out[host] = lut.to(ids.device)[ids[host] - self.host_base]
-        return out
+            wanted = (col[host] - self.host_base).unique().tolist()
+            if len(wanted) > self.num_staging:
+                raise RuntimeError(f"{len(wanted)} host blocks selected at once by one head but "
+                                   f"only {self.num_staging} staging rows")
+            for hid in wanted:  # hits first, so that this call's misses never evict them
+                if hid in staged:
+                    staged.move_to_end(hid)
+            taken = set(staged.values())
+            free_rows = [r for r in range(self.num_staging) if r not in taken]
+            for hid in wanted:
+                if hid in staged:
+                    continue
+                row = free_rows.pop() if free_rows else staged.popitem(last=False)[1]
+                for name in self.readout_names[layer]:
+                    part = dst[name][self.num_blocks + row, h]
+                    part.copy_(src[name][hid, h], non_blocking=True)
+                    self.bytes_moved += part.numel() * part.element_size()
+                self.num_fetched += 1
+                staged[hid] = row
+            lut = torch.full((self.num_host_blocks,), -1, dtype=torch.long)
+            for hid, row in staged.items():
+                lut[hid] = self.num_blocks + row
+            out[..., h][host] = lut.to(ids.device)[col[host] - self.host_base]
+        return out.movedim(-1, head_dim)
 
     def read_block(self, layer: int, name: str, ids: list[int]) -> Tensor:
         """Rows of one layer's block tensor for unified ids (device or host), as a device

@@ -159,7 +159,9 @@ def decode_paged_linear(mc, pl, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
             ids = table[:, None, :].expand(B, H, table.shape[1]).gather(2, idx.clamp_min(0))
             table = torch.where(idx >= 0, ids, -1)  # (B, H, top_k) block ids
             variant, row_top_k = "grm", None
-        state_table = torch.where(table >= 0, pl.fetch(table.clamp_min(0)), -1)
+        if table.dim() == 2:  # staging is per head: one list per (row, head)
+            table = table[:, None, :].expand(table.shape[0], q.shape[2], table.shape[1])
+        state_table = torch.where(table >= 0, pl.fetch(table.clamp_min(0), 1), -1)
     y = paged_mc_decode_linear(q[:, 0], u[:, 0], o[:, 0], p_on, table, pl.pool["S"],
                                pl.ksum_pool, variant=variant, segment_len=C, top_k=top_k,
                                state_table=state_table, row_top_k=row_top_k, backend=backend)

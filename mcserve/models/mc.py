@@ -211,9 +211,10 @@ class PagedLayer:
     table: Tensor  # (B, N) long block ids, -1 = no block
     pool: State  # readout key -> (num_blocks, H, ...) this layer's slice of the block pool
     ksum_pool: Tensor  # (num_blocks, H, K) key sums of the blocks
-    # maps block ids that name host-tier blocks to device rows (fetching them); None when
-    # every block in ``table`` is on the device
-    fetch: Callable[[Tensor], Tensor] | None = None
+    # fetch(ids, head_dim): maps block ids that name host-tier blocks to device rows (fetching
+    # head h of a block for the entries of head h along head_dim); None when every block in
+    # ``table`` is on the device
+    fetch: Callable[[Tensor, int], Tensor] | None = None
     top_k: Tensor | None = None  # (B,) per-row ssc top_k overrides; None = MCConfig.top_k
     # ``mem`` may be updated in place (it is a view of the engine's slot pool, or scratch)
     inplace: bool = False
@@ -340,7 +341,7 @@ class MCMemory:
             else:
                 ids = tb[:, :, None].expand(B, N, H)
             if pl.fetch is not None:  # bring host-tier blocks (ssc's selection) to the device
-                ids = pl.fetch(ids)
+                ids = pl.fetch(ids, 2)  # (B, k, H): heads on dim 2
             gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), dim=2)
             w_on, w_c = gamma[:, :, -1], gamma[:, :, :-1]
         if self.soup:
