@@ -2,8 +2,9 @@
 
 ``mcserve generate [MODEL_DIR]`` continues a prompt. Without MODEL_DIR it uses a small *randomly
 initialised* model (``ModelConfig()`` with a fixed seed, byte-level ids), so its output is noise;
-it exercises the whole model path without any download. With MODEL_DIR it loads a checkpoint
-written by ``save_pretrained`` and its ``tokenizer.json`` when there is one (bytes otherwise).
+it exercises the whole model path without any download. With MODEL_DIR it loads any checkpoint the
+engine serves (``mcserve.models.registry``: mcserve's own, Mamba2) and its ``tokenizer.json`` when
+there is one (bytes otherwise).
 
 Generated text goes to stdout, the timing line to stderr. Errors print one line to stderr and exit
 with status 2.
@@ -134,10 +135,12 @@ def _load(model_dir: str | None):
         torch.manual_seed(RANDOM_MODEL_SEED)
         model = MCForCausalLM(ModelConfig()).eval()
         return model, ByteTokenizer(model.config.vocab_size), "random untrained model"
-    try:
-        model = MCForCausalLM.from_pretrained(model_dir)
-    except CheckpointError as e:
-        raise CLIError(str(e)) from None
+    from mcserve.models.registry import load_model
+
+    try:  # any supported checkpoint: mcserve's own, Mamba2 (transformers or mamba_ssm layout)
+        model = load_model(model_dir)
+    except (CheckpointError, ValueError, OSError) as e:
+        raise CLIError(_first_line(e)) from None
     tok_file = Path(model_dir) / "tokenizer.json"
     tok = HFTokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(model.config.vocab_size)
     return model.eval(), tok, str(model_dir)

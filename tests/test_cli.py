@@ -134,6 +134,21 @@ def test_checkpoint_without_tokenizer_uses_bytes(tmp_path: Path, capsys) -> None
     assert capsys.readouterr().out == bytes(new).decode("utf-8", errors="replace") + "\n"
 
 
+def test_generate_from_a_mamba2_checkpoint(tmp_path: Path, capsys) -> None:
+    # any checkpoint the engine serves, not only mcserve's own: a transformers Mamba2 directory
+    tf = pytest.importorskip("transformers", reason="building the Mamba2 needs 'transformers'")
+    torch.manual_seed(0)
+    hf = tf.Mamba2ForCausalLM(tf.Mamba2Config(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8,
+        num_heads=8, n_groups=1, expand=2, conv_kernel=4, bos_token_id=None, eos_token_id=None))
+    hf.save_pretrained(tmp_path)
+    assert main(["generate", str(tmp_path), "--prompt", "hey", "--max-tokens", "4"]) == 0
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([list(b"hey")]), max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)[0, 3:].tolist()
+    assert capsys.readouterr().out == bytes(want).decode("utf-8", errors="replace") + "\n"
+
+
 def test_prompt_outside_small_byte_vocab(tmp_path: Path, capsys) -> None:
     MCForCausalLM(SMALL).save_pretrained(tmp_path)  # vocab 64, no tokenizer.json
     assert main(["generate", str(tmp_path), "--prompt", "hello"]) == 2
