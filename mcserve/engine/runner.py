@@ -309,6 +309,8 @@ class ModelRunner:
             if r in done:
                 s.seg_len = 0
                 self._register(s, items[r].new_blocks[0])
+        if order == sorted(order):
+            return logits
         back = torch.empty(len(order), dtype=torch.long, device=logits.device)
         back[torch.tensor(order, device=logits.device)] = torch.arange(len(order),
                                                                        device=logits.device)
