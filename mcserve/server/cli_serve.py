@@ -25,7 +25,7 @@ import shlex
 import sys
 from typing import Any
 
-from mcserve.cli import _positive_int
+from mcserve.cli import _non_negative_float, _positive_int
 
 logger = logging.getLogger("mcserve.server")
 
@@ -44,16 +44,6 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 0 <= val <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {val}")
-    return val
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not val >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return val
 
 
