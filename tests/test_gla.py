@@ -46,3 +46,24 @@ def test_strong_decay_stays_finite():
     o_ref, _ = naive_gla(q, k, v, log_a, None, torch.zeros(B, H, K, K))
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert _rel(o, o_ref) < 1e-4
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_linear_step_inplace_matches_scan(gated):
+    # the engine's in-place decode step (LinearMemory.step_) against the family's scan of one
+    # token, on a strided view as the slot pool hands it over
+    from mcserve.models.memory.linear import LinearMemory
+
+    g = torch.Generator().manual_seed(7)
+    B, H, K, V = 3, 4, 5, 6
+    pool = torch.randn(B + 2, H, K, V, generator=g, dtype=torch.float64)
+    q, k = (torch.randn(B, 1, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, 1, H, V, generator=g, dtype=torch.float64)
+    gates = ({"log_a": -torch.rand(B, 1, H, generator=g, dtype=torch.float64),
+              "b": torch.rand(B, 1, H, generator=g, dtype=torch.float64)} if gated else {})
+    fam = LinearMemory()
+    want_o, want = fam.scan({"S": pool[1:B + 1].clone()}, q, k, v, gates)
+    view = pool[1:B + 1]
+    o = fam.step_({"S": view}, q, k, v, gates)
+    assert torch.allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(pool[1:B + 1], want["S"], rtol=1e-12, atol=1e-12)  # written in place
