@@ -77,7 +77,8 @@ def train_batch(spec: dict[str, Any], gen: torch.Generator, step: int = 0
 def run_mqar(spec: dict[str, Any]) -> dict[str, Any]:
     """Train and evaluate one model; the dict that goes into the JSON."""
     torch.manual_seed(spec["seed"])
-    model = build_model(spec)
+    device = spec.get("device", "cpu")
+    model = build_model(spec).to(device)  # initialised on the CPU: the same weights everywhere
     sets = eval_sets(spec)
     n_curve = min(spec["eval_n"], 128)
 
@@ -96,7 +97,8 @@ def run_mqar(spec: dict[str, Any]) -> dict[str, Any]:
         model, lambda step, gen: train_batch(spec, gen, step), evaluate, steps=spec["steps"],
         lr=spec["lr"], seed=spec["seed"], eval_at=spec.get("eval_at", ()),
         max_seconds=spec.get("max_seconds"),
-        log=lambda s: print(f"[{tag}] {s}", flush=True), log_every=spec.get("log_every", 50))
+        log=lambda s: print(f"[{tag}] {s}", flush=True), log_every=spec.get("log_every", 50),
+        device=device)
     print(f"[{time.strftime('%H:%M:%S')}] done {tag}: {res['eval']['acc']} "
           f"({res['train_s']} s train)", flush=True)
     return {"spec": spec, "params": sum(p.numel() for p in model.parameters()),
@@ -109,16 +111,18 @@ def run_mqar(spec: dict[str, Any]) -> dict[str, Any]:
 def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
     specs = []
     var_steps = dict(kv.split("=") for kv in a.variant_steps)
-    for d in a.d_models:
-        for T in a.seq_lens:
+    hd = f"k{a.head_dim}" if a.head_dim != 32 else ""
+    for seed, d, T in ((s, d, T) for s in (a.seeds or [a.seed]) for d in a.d_models
+                       for T in a.seq_lens):
+        if True:
             ok = lambda p: 4 * p <= T and p < a.vocab // 2  # noqa: B023
             eval_pairs = [p for p in a.pairs if ok(p)]
             train_pairs = [p for p in (a.train_pairs or a.pairs) if ok(p)]
             if not eval_pairs or not train_pairs:
                 continue
             base = dict(d_model=d, seq_len=T, vocab=a.vocab, train_pairs=train_pairs,
-                        eval_pairs=eval_pairs, batch=a.batch, lr=a.lr, seed=a.seed,
-                        curriculum=a.curriculum,
+                        eval_pairs=eval_pairs, batch=a.batch, lr=a.lr, seed=seed,
+                        curriculum=a.curriculum, head_dim=a.head_dim, device=a.device,
                         eval_n=a.eval_n, max_seconds=a.max_minutes * 60 if a.max_minutes else None)
             models = []
             if a.attention:
@@ -128,15 +132,19 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                 for v in (a.deep_variants if deep and a.deep_variants else a.variants):
                     if v == "soup" and fam in ("linear", "swla"):
                         continue  # equals grm on a linear memory
-                    mc = {} if v == "none" else {"segment_len": a.segment_len}
-                    if v == "ssc":
-                        mc["mc_top_k"] = a.top_k
-                    models.append((fam, v, mc))
+                    for mode in ([None] if v == "none" else a.mc_modes):
+                        mc = {} if v == "none" else {"segment_len": a.segment_len}
+                        if v == "ssc":
+                            mc["mc_top_k"] = a.top_k
+                        if mode not in (None, "checkpoint"):
+                            mc["mc_mode"] = mode
+                        models.append((fam, v, mc))
             for fam, v, mc in models:
                 steps = int(var_steps.get(f"{fam}/{v}", var_steps.get(
                     v, var_steps.get(fam, a.steps))))
                 every = max(1, steps // 4)
-                name = f"{fam}/{v}/d{d}/T{T}/s{a.seed}"
+                tag = "+ind" if mc.get("mc_mode") == "independent" else ""
+                name = f"{fam}/{v}{tag}/d{d}{hd}/T{T}/s{seed}"
                 specs.append(dict(base, name=name, family=fam, variant=v, mc=mc, steps=steps,
                                   eval_at=[every, 2 * every, 3 * every]))
                 if v == "loglinear" and "grm" in a.variants:
@@ -145,7 +153,7 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                     g_steps = int(var_steps.get(f"{fam}/grm", var_steps.get(
                         "grm", var_steps.get(fam, a.steps))))
                     if g_steps != steps:
-                        specs.append(dict(specs[-1], name=f"{fam}/grm/d{d}/T{T}/s{a.seed}"
+                        specs.append(dict(specs[-1], name=f"{fam}/grm/d{d}{hd}/T{T}/s{seed}"
                                           f"/steps{steps}", variant="grm",
                                           mc={"segment_len": a.segment_len}))
     return specs
@@ -153,46 +161,88 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _label(spec: dict[str, Any]) -> str:
     """The variant, with ``@steps`` for the extra equal-budget runs."""
-    return spec["variant"] + (f"@{spec['steps']}" if "/steps" in spec["name"] else "")
+    ind = "+ind" if spec.get("mc", {}).get("mc_mode") == "independent" else ""
+    return spec["variant"] + ind + (f"@{spec['steps']}" if "/steps" in spec["name"] else "")
+
+
+def _hd(spec: dict[str, Any]) -> int:
+    return spec.get("head_dim", 32)
+
+
+def _by_model(rs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Results of one (d_model, T, head_dim) group per (family, label), over the seeds."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rs:
+        s = r["spec"]
+        fam = s["family"]
+        by.setdefault((fam, "attention" if fam == "attention" else _label(s)), []).append(r)
+    return by
+
+
+def _stats(rs: list[dict[str, Any]], p: int) -> tuple[float, float, float]:
+    """Mean, min and max accuracy at ``p`` pairs over the seeds of one model."""
+    xs = [r["eval"]["acc"][str(p)] for r in rs]
+    return sum(xs) / len(xs), min(xs), max(xs)
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Print the accuracy tables and check the issue's targets; returns the target verdicts."""
+    """Print the accuracy tables and check the issue's targets on the mean over the seeds;
+    returns the target verdicts."""
     verdicts: dict[str, Any] = {}
-    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for r in results:
         if "error" in r:
             print(f"ERROR {r['spec']['name']}: {r['error']}")
             continue
-        groups.setdefault((r["spec"]["d_model"], r["spec"]["seq_len"]), []).append(r)
-    for (d, T), rs in sorted(groups.items()):
+        s = r["spec"]
+        groups.setdefault((s["d_model"], s["seq_len"], _hd(s)), []).append(r)
+    for (d, T, hd), rs in sorted(groups.items()):
         pairs = rs[0]["spec"]["eval_pairs"]
+        title = f"d_model {d}, seq_len {T}" + (f", heads of {hd}" if hd != 32 else "")
         rows = []
         for r in rs:
             s = r["spec"]
-            rows.append([s["family"], _label(s)]
+            rows.append([s["family"], _label(s), s["seed"]]
                         + [f"{100 * r['eval']['acc'][str(p)]:.1f}" for p in pairs]
                         + [r["steps_done"], r["params"], r["state_floats"], r["s_per_step"]])
-        print_table(rows, ["family", "variant"] + [f"{p} pairs" for p in pairs]
+        print_table(rows, ["family", "variant", "seed"] + [f"{p} pairs" for p in pairs]
                     + ["steps", "params", "state floats", "s/step"],
-                    title=f"MQAR accuracy (%), d_model {d}, seq_len {T}", align="ll" + "r" * (
-                        len(pairs) + 4))
-        att = next((r for r in rs if r["spec"]["family"] == "attention"), None)
-        by = {(r["spec"]["family"], _label(r["spec"])): r["eval"]["acc"] for r in rs}
-        ok_pairs = [p for p in pairs if att and att["eval"]["acc"][str(p)] > 0.9]
+                    title=f"MQAR accuracy (%), {title}", align="lll" + "r" * (len(pairs) + 4))
+        by = _by_model(rs)
+        seeds = sorted({r["spec"]["seed"] for r in rs})
+        if len(seeds) > 1:
+            rows = []
+            for (fam, lab), xs in by.items():
+                cells = []
+                for p in pairs:
+                    m, lo, hi = _stats(xs, p)
+                    cells.append(f"{100 * m:.1f} ({100 * lo:.1f}-{100 * hi:.1f})")
+                rows.append([fam, lab, len(xs)] + cells)
+            print_table(rows, ["family", "variant", "seeds"] + [f"{p} pairs" for p in pairs],
+                        title=f"MQAR accuracy (%), mean (min-max) over seeds, {title}",
+                        align="lll" + "r" * len(pairs))
+        att = by.get(("attention", "attention"))
+        ok_pairs = [p for p in pairs if att and _stats(att, p)[0] > 0.9]
         hard = max(ok_pairs) if ok_pairs else None
         for fam in sorted({f for f, _ in by if f != "attention"}):
-            key = f"d{d}/T{T}/{fam}"
-            v = {}
+            key = f"d{d}/T{T}/{fam}" + (f"/k{hd}" if hd != 32 else "")
+            v: dict[str, Any] = {}
             if hard is None:
                 v["note"] = "no setting where attention > 90%: the targets cannot be checked"
             else:
-                acc = {var: by[(fam, var)][str(hard)] for (f, var) in by if f == fam}
+                acc = {lab: round(_stats(xs, hard)[0], 4) for (f, lab), xs in by.items()
+                       if f == fam}
                 v["hardest_pairs"] = hard
-                v["acc"] = acc
+                v["seeds"] = seeds
+                v["acc"] = acc  # mean over the seeds
                 if "grm" in acc and "none" in acc:
                     v["grm_minus_none_pts"] = round(100 * (acc["grm"] - acc["none"]), 1)
                     v["grm_beats_none_by_20"] = acc["grm"] - acc["none"] >= 0.20
+                    g = {r["spec"]["seed"]: r["eval"]["acc"][str(hard)] for r in by[(fam, "grm")]}
+                    n = {r["spec"]["seed"]: r["eval"]["acc"][str(hard)]
+                         for r in by[(fam, "none")]}
+                    v["grm_minus_none_pts_per_seed"] = {
+                        str(k): round(100 * (g[k] - n[k]), 1) for k in sorted(set(g) & set(n))}
                 if {"grm", "none", "ssc"} <= set(acc):
                     lo, hi = sorted((acc["none"], acc["grm"]))
                     v["ssc_between"] = lo <= acc["ssc"] <= hi
@@ -221,25 +271,27 @@ def plot(results: list[dict[str, Any]], path: str) -> str | None:
         print("matplotlib not installed: no plot")
         return None
     ok = [r for r in results if "error" not in r]
-    panels = sorted({(r["spec"]["d_model"], r["spec"]["seq_len"], r["spec"]["family"])
-                     for r in ok if r["spec"]["family"] != "attention"})
+    panels = sorted({(r["spec"]["d_model"], r["spec"]["seq_len"], _hd(r["spec"]),
+                      r["spec"]["family"]) for r in ok if r["spec"]["family"] != "attention"})
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (d, T, fam) in zip(axes[0], panels):
-        for r in ok:
-            s = r["spec"]
-            if (s["d_model"], s["seq_len"]) != (d, T) or s["family"] not in (fam, "attention"):
-                continue
-            ps = s["eval_pairs"]
-            label = "attention" if s["family"] == "attention" else _label(s)
-            style = "k--" if s["family"] == "attention" else "o-"
-            ax.plot(ps, [100 * r["eval"]["acc"][str(p)] for p in ps], style, label=label)
+    for ax, (d, T, hd, fam) in zip(axes[0], panels):
+        rs = [r for r in ok if (r["spec"]["d_model"], r["spec"]["seq_len"], _hd(r["spec"]))
+              == (d, T, hd) and r["spec"]["family"] in (fam, "attention")]
+        for (f, lab), xs in _by_model(rs).items():
+            ps = xs[0]["spec"]["eval_pairs"]
+            st = [_stats(xs, p) for p in ps]
+            m = [100 * x[0] for x in st]
+            err = [[100 * (x[0] - x[1]) for x in st], [100 * (x[2] - x[0]) for x in st]]
+            style = "k--" if f == "attention" else "o-"
+            ax.errorbar(ps, m, yerr=err if len(xs) > 1 else None, fmt=style, capsize=3,
+                        label=lab + (f" ({len(xs)} seeds)" if len(xs) > 1 else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("key-value pairs")
         ax.set_ylabel("accuracy (%)")
         ax.set_ylim(-2, 102)
-        ax.set_title(f"{fam}, d_model {d}, T {T}")
+        ax.set_title(f"{fam}, d_model {d}, T {T}" + (f", K {hd}" if hd != 32 else ""))
         ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +331,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="several training seeds (one run per seed per model; overrides --seed)")
+    ap.add_argument("--head-dim", type=int, default=32,
+                    help="width K of each head (n_heads = d_model // K); the memory state is "
+                         "n_heads·K² per layer, so a smaller K holds fewer pairs")
+    ap.add_argument("--mc-modes", nargs="+", default=["checkpoint"],
+                    choices=["checkpoint", "independent"],
+                    help="MC mode(s) of the MC variants; independent runs are labelled +ind")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device for training/eval (data is drawn on the CPU and moved)")
+    ap.add_argument("--plot-from", default=None,
+                    help="only redraw the plot (and the tables) from this result JSON")
     ap.add_argument("--eval-n", type=int, default=512, help="held-out examples per pair count")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="safety limit per run (the run is marked truncated)")
@@ -291,6 +355,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/mqar.json)")
     ap.add_argument("--plot", default=None, help="PNG path (default next to --out)")
     a = ap.parse_args(argv)
+    if a.plot_from:
+        import json
+
+        data = json.loads(Path(a.plot_from).read_text())
+        summarize(data["results"])
+        png = plot(data["results"], a.plot or str(Path(a.plot_from).with_suffix(".png")))
+        print(f"wrote {png}")
+        return data
     if a.quick:
         a.families, a.variants, a.attention = ["linear"], ["grm"], False
         a.deep_variants = []
@@ -308,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(env_line(env))
     print(f"{len(specs)} runs, {a.jobs} at a time: " + ", ".join(s["name"] for s in specs))
     t0 = time.perf_counter()
-    results = run_many(run_mqar, specs, jsonl, jobs=a.jobs, threads=a.threads, resume=a.resume)
+    results = run_many(run_mqar, specs, jsonl, jobs=a.jobs, threads=a.threads, resume=a.resume,
+                       start_method="fork" if a.device == "cpu" else "spawn")
     wall = time.perf_counter() - t0
     verdicts = summarize(results)
     png = plot(results, a.plot or str(Path(write_json({}, out)[0]).with_suffix(".png")))

@@ -219,9 +219,9 @@ class TinyTransformer(nn.Module):
 
 
 def model_config(d_model: int = 64, memory: str = "linear", variant: str = "none",
-                 vocab: int = 256, **mc: Any) -> ModelConfig:
-    """The benchmark's 2-layer config: heads of width 32 (d_model 64 → 2 heads, 128 → 4)."""
-    head_dim = 32
+                 vocab: int = 256, head_dim: int = 32, **mc: Any) -> ModelConfig:
+    """The benchmark's 2-layer config: heads of width ``head_dim`` (default 32: d_model 64 → 2
+    heads, 128 → 4; 16 gives d_model 64 four heads of 16, a quarter of the state)."""
     n_heads = max(1, d_model // head_dim)
     mc = dict(mc)
     if memory in ("dla", "titans"):
@@ -237,9 +237,10 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     mc = dict(spec.get("mc", {}))
     if family == "attention":
         cfg = model_config(spec["d_model"], "linear", "none", spec.get("vocab", 256),
-                           conv_size=mc.get("conv_size", 4))
+                           spec.get("head_dim", 32), conv_size=mc.get("conv_size", 4))
         return TinyTransformer(cfg)
-    cfg = model_config(spec["d_model"], family, spec["variant"], spec.get("vocab", 256), **mc)
+    cfg = model_config(spec["d_model"], family, spec["variant"], spec.get("vocab", 256),
+                       spec.get("head_dim", 32), **mc)
     model = MCForCausalLM(cfg)
     hook = spec.get("hook")
     if hook:  # "module:function" applied to the fresh model (ablations)
@@ -278,11 +279,13 @@ def masked_ce(logits: Tensor, targets: Tensor) -> Tensor:
 @torch.no_grad()
 def answer_accuracy(model: nn.Module, inputs: Tensor, targets: Tensor, batch: int = 128
                     ) -> tuple[int, int, int, int]:
-    """(correct answers, answers, fully correct examples, examples) by argmax."""
+    """(correct answers, answers, fully correct examples, examples) by argmax (on the model's
+    device; the sets may live on the CPU)."""
     model.eval()
+    dev = next(model.parameters()).device
     hit = tot = ex_hit = 0
     for i in range(0, inputs.shape[0], batch):
-        x, y = inputs[i:i + batch], targets[i:i + batch]
+        x, y = inputs[i:i + batch].to(dev), targets[i:i + batch].to(dev)
         logits, _ = model(x)
         mask = y != IGNORE
         ok = (logits.argmax(-1) == y) & mask
@@ -314,9 +317,12 @@ def train_loop(model: nn.Module, sample: Callable[[int, torch.Generator], tuple[
                evaluate: Callable[[nn.Module, bool], dict[str, Any]], *, steps: int, lr: float,
                seed: int, warmup: int | None = None, weight_decay: float = 0.1,
                eval_at: list[int] | tuple[int, ...] = (), max_seconds: float | None = None,
-               log: Callable[[str], None] = print, log_every: int = 50) -> dict[str, Any]:
+               log: Callable[[str], None] = print, log_every: int = 50,
+               device: str | torch.device = "cpu") -> dict[str, Any]:
     """Train ``model`` for ``steps`` steps on ``sample(step, gen)``; ``evaluate(model, final)``.
 
+    ``sample`` draws on the CPU from the seeded generator (the same tokens on every device);
+    the batch is then moved to ``device``, where ``model`` must already be.
     Returns losses, evaluations at ``eval_at`` steps and at the end, timing, and whether the
     ``max_seconds`` safety limit cut the run short.
     """
@@ -329,17 +335,21 @@ def train_loop(model: nn.Module, sample: Callable[[int, torch.Generator], tuple[
     train_s = 0.0
     truncated = False
     step = 0
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         ts = time.perf_counter()
         x, y = sample(step, gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits, _ = model(x)
         loss = masked_ce(logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if sync is not None:
+            sync()
         train_s += time.perf_counter() - ts
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
@@ -399,11 +409,12 @@ def _worker(args: tuple[Callable, dict[str, Any], str, int]) -> dict[str, Any]:
 
 
 def run_many(fn: Callable[[dict[str, Any]], dict[str, Any]], specs: list[dict[str, Any]],
-             jsonl: str | os.PathLike, *, jobs: int = 1, threads: int = 1, resume: bool = False
-             ) -> list[dict[str, Any]]:
+             jsonl: str | os.PathLike, *, jobs: int = 1, threads: int = 1, resume: bool = False,
+             start_method: str = "fork") -> list[dict[str, Any]]:
     """Run ``fn(spec)`` for every spec (``jobs`` processes, ``threads`` torch threads each);
     each result is appended to ``jsonl`` when it finishes. With ``resume`` the specs already in
-    ``jsonl`` are not run again. Returns the results in spec order."""
+    ``jsonl`` are not run again. Returns the results in spec order. Use ``start_method``
+    "spawn" for CUDA runs (a forked child cannot use CUDA once the parent has)."""
     jsonl = Path(jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     done = load_done(jsonl) if resume else {}
@@ -415,7 +426,7 @@ def run_many(fn: Callable[[dict[str, Any]], dict[str, Any]], specs: list[dict[st
         for a in args:
             _worker(a)
     else:
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context(start_method)
         with ctx.Pool(jobs, maxtasksperchild=1) as pool:
             for _ in pool.imap_unordered(_worker, args):
                 pass

@@ -137,3 +137,30 @@ def test_mqar_smoke(tmp_path):
         assert 0.0 <= r["eval"]["acc"]["4"] <= 1.0
         assert r["steps_done"] == 6
     assert (tmp_path / "mqar.jsonl").exists()
+
+
+def test_mqar_head_dim_seeds_modes(tmp_path):
+    """--head-dim, --seeds and --mc-modes: names, configs, the mean-over-seeds verdicts, and
+    --plot-from redraws from the JSON alone."""
+    import mqar
+
+    m = rc.build_model({"family": "linear", "variant": "none", "d_model": 64, "head_dim": 16})
+    assert (m.config.n_heads, m.config.head_dim) == (4, 16)
+    out = tmp_path / "cap.json"
+    data = mqar.main(["--families", "linear", "--variants", "none", "grm", "--seq-lens", "32",
+                      "--pairs", "4", "--steps", "3", "--batch", "4", "--eval-n", "8",
+                      "--vocab", "64", "--segment-len", "8", "--head-dim", "16",
+                      "--seeds", "0", "1", "--mc-modes", "checkpoint", "independent",
+                      "--out", str(out), "--plot", str(tmp_path / "cap.png")])
+    names = [r["spec"]["name"] for r in data["results"]]
+    assert names == [f"{m}/d64k16/T32/s{s}" for s in (0, 1) for m in (
+        "attention/-", "linear/none", "linear/grm", "linear/grm+ind")]
+    for r in data["results"]:
+        assert "error" not in r, r.get("traceback")
+    ind = [r for r in data["results"] if "+ind" in r["spec"]["name"]]
+    assert all(r["spec"]["mc"]["mc_mode"] == "independent" for r in ind)
+    v = data["targets"]["d64/T32/linear/k16"]
+    if "acc" in v:  # only when attention reached 90% (not in 3 steps)
+        assert set(v["acc"]) == {"none", "grm", "grm+ind"}
+    again = mqar.main(["--plot-from", str(out), "--plot", str(tmp_path / "again.png")])
+    assert len(again["results"]) == 8

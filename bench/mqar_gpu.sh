@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The MQAR capacity grid (docs/does-it-work.md, "Third round") on one CUDA GPU, as one prepared
+# device call: 15 runs (attention + linear none/grm/ssc/loglinear, seeds 0-2) and one extra
+# (linear grm in independent mode, seed 0), all at once, one process per run.
+#
+#   OUT=/some/dir bash bench/mqar_gpu.sh        # ~8 minutes on one H200 with 16 CPU cores
+#
+# Tiny models are launch-bound: each process keeps one CPU core busy launching kernels, so the
+# runs share the GPU through CUDA MPS when the machine has it (kernels of different processes then
+# run side by side); without MPS the GPU time-slices between processes and only seed 0 is run.
+# Every run stops at --max-minutes (marked "truncated" in the JSON) so that the results are written
+# before the device call's limit. Data is drawn on the CPU from the seed and moved to the GPU: the
+# same token stream as on the CPU, but GPU arithmetic is not bit-identical to the CPU's.
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 MCSERVE_KERNELS=torch OMP_NUM_THREADS=1
+MAXMIN=${MAXMIN:-7.0}
+STEPS=${STEPS:-4000}  # the grid; smaller only to smoke-test this script
+DEVICE=${DEVICE:-cuda}
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nproc
+  $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$OUT/grid.log"
+
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+MPS=0
+if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+  if timeout 60 $PY -c "import torch; assert torch.ones(4, device='cuda').sum().item() == 4"; then
+    MPS=1
+  else
+    echo quit | nvidia-cuda-mps-control
+    sleep 2
+  fi
+fi
+echo "MPS=$MPS" | tee -a "$OUT/grid.log"
+
+COMMON=(--families linear --seq-lens 256 --pairs 16 32 64 --vocab 256 --head-dim 16
+        --segment-len 32 --steps "$STEPS" --variant-steps --device "$DEVICE" --max-minutes "$MAXMIN")
+if [ "$MPS" = 1 ]; then
+  $PY bench/mqar.py "${COMMON[@]}" --no-attention --variants grm --mc-modes independent \
+      --seeds 0 --out "$OUT/mqar_capacity_ind.json" --plot /tmp/mqar_capacity_ind.png \
+      > "$OUT/ind.log" 2>&1 &
+  IND=$!
+  SEEDS=(0 1 2); JOBS=15
+else
+  IND=
+  SEEDS=(0); JOBS=5
+fi
+$PY bench/mqar.py "${COMMON[@]}" --variants none grm ssc loglinear --top-k 2 \
+    --seeds "${SEEDS[@]}" --jobs "$JOBS" --out "$OUT/mqar_capacity.json" 2>&1 \
+    | tee -a "$OUT/grid.log" | grep -v " step "
+[ -n "$IND" ] && wait "$IND"
+tail -n 12 "$OUT/ind.log" 2>/dev/null
+[ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+date -u +%FT%TZ | tee -a "$OUT/grid.log"
