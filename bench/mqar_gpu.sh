@@ -3,7 +3,9 @@
 # device call: 15 runs (attention + linear none/grm/ssc/loglinear, seeds 0-2) and one extra
 # (linear grm in independent mode, seed 0), all at once, one process per run.
 #
-#   OUT=/some/dir bash bench/mqar_gpu.sh        # ~8 minutes on one H200 with 16 CPU cores
+#   OUT=/some/dir bash bench/mqar_gpu.sh        # T=256 grid: ~6.5 minutes on one H200, 16 cores
+#   OUT=/some/dir bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind on 3 seeds,
+#                                               # no loglinear): ~5 minutes
 #
 # Tiny models are launch-bound: each process keeps one CPU core busy launching kernels, so the
 # runs share the GPU through CUDA MPS when the machine has it (kernels of different processes then
@@ -16,8 +18,7 @@ OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 MCSERVE_KERNELS=torch OMP_NUM_THREADS=1
-MAXMIN=${MAXMIN:-7.0}
-STEPS=${STEPS:-4000}  # the grid; smaller only to smoke-test this script
+MAXMIN=${MAXMIN:-7.0}  # per-run safety limit (minutes)
 DEVICE=${DEVICE:-cuda}
 {
   date -u +%FT%TZ
@@ -39,20 +40,30 @@ if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; 
 fi
 echo "MPS=$MPS" | tee -a "$OUT/grid.log"
 
-COMMON=(--families linear --seq-lens 256 --pairs 16 32 64 --vocab 256 --head-dim 16
-        --segment-len 32 --steps "$STEPS" --variant-steps --device "$DEVICE" --max-minutes "$MAXMIN")
+GRID=${1:-t256}
+if [ "$GRID" = t128 ]; then
+  COMMON=(--families linear --seq-lens 128 --pairs 8 16 32 --vocab 128 --head-dim 16
+          --segment-len 32 --steps "${STEPS:-6000}" --variant-steps --device "$DEVICE"
+          --max-minutes "$MAXMIN")
+  VARIANTS=(none grm ssc); IND_SEEDS=(0 1 2); NAME=mqar_capacity_t128
+else
+  COMMON=(--families linear --seq-lens 256 --pairs 16 32 64 --vocab 256 --head-dim 16
+          --segment-len 32 --steps "${STEPS:-4000}" --variant-steps --device "$DEVICE"
+          --max-minutes "$MAXMIN")
+  VARIANTS=(none grm ssc loglinear); IND_SEEDS=(0); NAME=mqar_capacity
+fi
 if [ "$MPS" = 1 ]; then
   $PY bench/mqar.py "${COMMON[@]}" --no-attention --variants grm --mc-modes independent \
-      --seeds 0 --out "$OUT/mqar_capacity_ind.json" --plot /tmp/mqar_capacity_ind.png \
-      > "$OUT/ind.log" 2>&1 &
+      --seeds "${IND_SEEDS[@]}" --jobs "${#IND_SEEDS[@]}" --out "$OUT/${NAME}_ind.json" \
+      --plot "/tmp/${NAME}_ind.png" > "$OUT/ind.log" 2>&1 &
   IND=$!
-  SEEDS=(0 1 2); JOBS=15
+  SEEDS=(0 1 2); JOBS=$((3 * (${#VARIANTS[@]} + 1)))
 else
   IND=
-  SEEDS=(0); JOBS=5
+  SEEDS=(0); JOBS=$((${#VARIANTS[@]} + 1))
 fi
-$PY bench/mqar.py "${COMMON[@]}" --variants none grm ssc loglinear --top-k 2 \
-    --seeds "${SEEDS[@]}" --jobs "$JOBS" --out "$OUT/mqar_capacity.json" 2>&1 \
+$PY bench/mqar.py "${COMMON[@]}" --variants "${VARIANTS[@]}" --top-k 2 \
+    --seeds "${SEEDS[@]}" --jobs "$JOBS" --out "$OUT/$NAME.json" 2>&1 \
     | tee -a "$OUT/grid.log" | grep -v " step "
 [ -n "$IND" ] && wait "$IND"
 tail -n 12 "$OUT/ind.log" 2>/dev/null
