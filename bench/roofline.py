@@ -58,6 +58,7 @@ from mcserve.config import EngineConfig, ModelConfig  # noqa: E402
 from mcserve.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine  # noqa: E402
 from mcserve.engine.sampling import SamplingParams  # noqa: E402
 from mcserve.engine.tokenizer import Tokenizer  # noqa: E402
+from mcserve.kernels import cpu as cpu_ops  # noqa: E402
 from mcserve.models.mc import PagedLayer  # noqa: E402
 from mcserve.models.native import MCForCausalLM  # noqa: E402
 
@@ -126,7 +127,8 @@ def paged_layers(engine: LLMEngine) -> tuple[torch.Tensor, list[PagedLayer]]:
             conv=sl["conv"][slots] if "conv" in sl else None,
             seg_ksum=sl["seg_ksum"][slots], seg_len=seg_len, n_seg=n_seg,
             csum={k: sl[f"csum.{k}"][slots] for k in keys} if mc.collapsed else None,
-            table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"]))
+            table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
+            inplace=True))  # gathered copies, writable: the engine's in-place decode path
     tokens = torch.tensor([[s.all_ids[-1]] for s in seqs])
     return tokens, layers
 
@@ -157,7 +159,8 @@ def floor_bytes(model: MCForCausalLM, B: int, context: int) -> dict:
 def count_flops(model: MCForCausalLM, tok: torch.Tensor, state) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as fc:
+    # the C++ decode ops are invisible to the counter: count the torch twins' flops
+    with FlopCounterMode(display=False) as fc, cpu_ops.twins_only():
         model(tok, state)
     return fc.get_total_flops()
 

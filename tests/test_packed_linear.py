@@ -74,8 +74,30 @@ def test_pack_linears_routes_inference_and_falls_back():
         # float64 weights are never packed; unpack restores the class forward
         assert pl.unpack_linears(model) == 2 and "forward" not in model[0].__dict__
         assert pl.pack_linears(nn.Linear(3, 3).double(), min_numel=1) == 0
-        assert pl.pack_linears(nn.Linear(3, 3)) == 0  # below the default size threshold
+        small = nn.Linear(3, 3)  # below the size threshold: wrapped for the C++ GEMV only
+        assert pl.pack_linears(small) == int(pl.cpu_ops.enabled())
+        if pl.cpu_ops.enabled():
+            assert small.forward.packed is None
     finally:
         pl.packed_linear = real
     sd = model.state_dict()
     assert set(sd) == {"0.weight", "0.bias", "2.weight"}  # no extra state
+
+
+@pytest.mark.skipif(not pl.cpu_ops.enabled(), reason="C++ CPU kernels not built here")
+def test_one_and_two_rows_take_the_cpp_gemv():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False))
+    pl.pack_linears(model, min_numel=1)
+    calls = []
+    real = pl.cpu_ops.linear
+    try:
+        pl.cpu_ops.linear = lambda *a: calls.append(a[0].shape) or real(*a)
+        with torch.no_grad():
+            for shape in [(1, 16), (2, 1, 16), (3, 16)]:
+                x = torch.randn(*shape)
+                want = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
+                assert _rel(model(x), want) < 1e-5
+    finally:
+        pl.cpu_ops.linear = real
+    assert len(calls) == 4  # 1 and 2 rows through both layers; 3 rows took oneDNN

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import MCConfig, validate_mc
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.native import LayerState, RecurrentLM
@@ -155,7 +156,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.rms_norm(_up(x), (x.shape[-1],), eps=self.eps)  # one fused op
+        D = x.shape[-1]
+        if x.numel() <= 8 * D and not torch.is_grad_enabled() and x.is_cpu:  # decode: one C++ op
+            return cpu_ops.rms_norm(x.reshape(-1, D), self.weight, self.eps, D).view(x.shape)
+        h = F.rms_norm(_up(x), (D,), eps=self.eps)  # one fused op
         return self.weight * h.to(x.dtype)
 
 
@@ -170,6 +174,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
+        D = y.shape[-1]
+        if y.numel() <= 8 * D and not torch.is_grad_enabled() and y.is_cpu:  # decode: one C++ op
+            return cpu_ops.rms_norm(y.reshape(-1, D), self.weight, self.eps, self.group_size,
+                                    z.reshape(-1, D), self.norm_before_gate).view(y.shape)
         dtype = y.dtype
         h = _up(y)
         if not self.norm_before_gate:
@@ -215,25 +223,30 @@ class Mamba2Mixer(nn.Module):
         return LayerState(mc, conv)
 
     # ------------------------------------------------------------------ pieces
-    def _project(self, x: Tensor, conv_tail: Tensor):
-        """x ``(B, T, D)`` → z, x_h ``(B, T, H, P)``, q, k, u ``(B, T, H, N)``, gates, tail."""
+    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False):
+        """x ``(B, T, D)`` → z, x_h ``(B, T, H, P)``, q, k, u ``(B, T, H, N)``, gates, tail.
+
+        ``inplace`` (decode): ``conv_tail`` is shifted in place (``kernels.cpu.conv_step_``)."""
         B, T, _ = x.shape
         cfg = self.cfg
         H, P, N, G = self.H, self.P, self.N, self.G
         z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, H], dim=-1)
-        full = torch.cat([conv_tail.to(xbc.dtype), xbc], dim=1)  # (B, w-1+T, C)
-        conv_tail = full[:, full.shape[1] - (cfg.conv_size - 1):]
-        # depthwise causal conv as w shifted multiply-adds (faster than grouped conv1d on CPU)
         w = self.conv1d.weight[:, 0]  # (C, w)
-        if T == 1:  # decode: one product and one sum over the window
-            out = (full * w.t()).sum(1, keepdim=True)
+        if T == 1 and inplace:  # decode: conv + bias + silu in one pass, the tail shifted in place
+            xbc = cpu_ops.conv_step_(conv_tail, xbc[:, 0], w, self.conv1d.bias, True)[:, None]
         else:
-            out = full[:, :T] * w[:, 0]
-            for j in range(1, w.shape[1]):
-                out = out + full[:, j:j + T] * w[:, j]
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias
-        xbc = F.silu(out)
+            full = torch.cat([conv_tail.to(xbc.dtype), xbc], dim=1)  # (B, w-1+T, C)
+            conv_tail = full[:, full.shape[1] - (cfg.conv_size - 1):]
+            # depthwise causal conv as w shifted multiply-adds (faster than grouped conv1d on CPU)
+            if T == 1:  # one product and one sum over the window
+                out = (full * w.t()).sum(1, keepdim=True)
+            else:
+                out = full[:, :T] * w[:, 0]
+                for j in range(1, w.shape[1]):
+                    out = out + full[:, j:j + T] * w[:, j]
+            if self.conv1d.bias is not None:
+                out = out + self.conv1d.bias
+            xbc = F.silu(out)
         xs, Bm, Cm = xbc.split([cfg.d_inner, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P)
         rep = H // G
@@ -266,7 +279,9 @@ class Mamba2Mixer(nn.Module):
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
-        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv)
+        if not pl.inplace:
+            pl.conv = pl.conv.clone()
+        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv, inplace=True)
         return self._output(z, xs, self.memory.decode_paged(pl, q, k, xs, q, gates))
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from mcserve.config import MCConfig
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.memory.base import MemoryFamily, State
 from mcserve.models.memory.linear import LinearMemory
 
@@ -302,8 +303,18 @@ class MCMemory:
             if dispatch.get_backend(q) != "torch":  # Triton on CUDA, or MCSERVE_KERNELS=...
                 return dispatch.decode_paged_linear(self, pl, q, k, v, u, gates)
         B, _, H, K = q.shape
-        cum = pl.seg_ksum + k[:, 0]  # (B, H, K)
-        pl.seg_ksum = cum
+        # CPU inference on the gated linear memory: routing scores and the step + readout as two
+        # one-pass C++ ops (kernels.cpu; this torch code is their twin), updating pl in place
+        fast = (variant in ("grm", "soup", "ssc") and isinstance(self.family, LinearMemory)
+                and q.is_cpu
+                and not torch.is_grad_enabled() and cpu_ops.enabled())
+        if fast:
+            if not pl.inplace:
+                pl.mem = {key: t.clone() for key, t in pl.mem.items()}
+                pl.seg_ksum = pl.seg_ksum.clone()
+        else:
+            cum = pl.seg_ksum + k[:, 0]  # (B, H, K)
+            pl.seg_ksum = cum
         if self.collapsed:
             scale = (q.new_ones(B) if variant == "residual"
                      else 1.0 / (pl.n_seg + 1).to(q.dtype))[:, None, None]  # (B, 1, 1)
@@ -322,13 +333,18 @@ class MCMemory:
             w_c = (valid.to(q.dtype) * scale[:, None])[:, None, :, None].expand(B, 1, N, H)
             ids = tb[:, :, None].expand(B, N, H)
         else:
-            p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
-            r_on = (u[:, 0] * p_on).sum(-1)[:, None] / math.sqrt(K)  # (B, 1, H)
-            # every cached block is a full segment: fold 1/(C·√K) into u, and score with a
-            # multiply-sum (an einsum here would first copy the gathered sums into a GEMM layout)
-            u_s = u[:, 0] / (self.cfg.segment_len * math.sqrt(K))  # (B, H, K)
-            r_c = (pl.ksum_pool[tb] * u_s[:, None]).sum(-1)[:, None]  # (B, 1, N, H)
-            r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
+            if fast:  # seg_ksum += k in place; scores of the N blocks and the online segment
+                r = cpu_ops.mc_scores_(pl.seg_ksum, k[:, 0], u[:, 0], pl.seg_len, pl.ksum_pool,
+                                       table, self.cfg.segment_len)  # (B, N + 1, H)
+                r_c, r_on = r[:, None, :N], r[:, None, N]
+            else:
+                p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
+                r_on = (u[:, 0] * p_on).sum(-1)[:, None] / math.sqrt(K)  # (B, 1, H)
+                # every cached block is a full segment: fold 1/(C·√K) into u, and score with a
+                # multiply-sum (an einsum would first copy the gathered sums into a GEMM layout)
+                u_s = u[:, 0] / (self.cfg.segment_len * math.sqrt(K))  # (B, H, K)
+                r_c = (pl.ksum_pool[tb] * u_s[:, None]).sum(-1)[:, None]  # (B, 1, N, H)
+                r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
             k_row = pl.top_k
             k_max = self.cfg.top_k if k_row is None else int(k_row.max())
             if variant == "ssc" and (N > k_max or (k_row is not None and bool((k_row < N).any()))):
@@ -348,6 +364,12 @@ class MCMemory:
             cached = self._gather_blocks_by_id(pl.pool, ids)
             y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, (w_on, cached, w_c))
             return y
+        if fast:
+            log_a, b = gates.get("log_a"), gates.get("b")
+            y = cpu_ops.mc_step_readout_(
+                pl.mem["S"], q[:, 0], k[:, 0], v[:, 0], None if log_a is None else log_a[:, 0],
+                None if b is None else b[:, 0], w_on[:, 0], pl.pool["S"], ids, w_c[:, 0])
+            return y[:, None]  # (B, 1, H, V)
         o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, inplace=pl.inplace)
         y = o * w_on[..., None]
         if w_c.shape[2]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import ModelConfig
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 
@@ -61,7 +62,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
+        D = x.shape[-1]
+        if x.numel() <= 8 * D and not torch.is_grad_enabled() and x.is_cpu:  # decode: one C++ op
+            return cpu_ops.rms_norm(x.reshape(-1, D), self.weight, self.eps, D).view(x.shape)
+        return F.rms_norm(x, (D,), self.weight, self.eps)
 
 
 class MCMixer(nn.Module):
@@ -133,7 +137,10 @@ class MCMixer(nn.Module):
         if self.gate_proj is None:
             return {}
         B, T, _ = x.shape
-        raw = self.gate_proj(x).view(B, T, len(self.gate_names), self.H)
+        return self._gate_acts(self.gate_proj(x).view(B, T, len(self.gate_names), self.H))
+
+    def _gate_acts(self, raw: Tensor) -> dict[str, Tensor]:
+        """Pre-activations ``(B, T, n_gates, H)`` → the named gates, each ``(B, T, H)``."""
         out = {}
         for i, name in enumerate(self.gate_names):
             g = raw[:, :, i]
@@ -166,9 +173,54 @@ class MCMixer(nn.Module):
         u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
         return q, k, v, u, self.gates(x), conv_tail
 
-    def _output(self, x: Tensor, y: Tensor) -> Tensor:
+    def _decode_weights(self) -> tuple[Tensor, Tensor | None]:
+        """The projections of x (qkv, u, g, gates) stacked into one weight, so decode reads
+        them with one matrix-vector product. Rebuilt when a source weight changes."""
+        mods = [m for m in (self.qkv, self.u_proj, self.g_proj, self.gate_proj) if m is not None]
+        key = tuple((id(m.weight), None if m.weight.is_inference() else m.weight._version)
+                    for m in mods)
+        cached = self.__dict__.get("_decode_cat")
+        if cached is None or cached[0] != key:
+            w = torch.cat([m.weight.detach() for m in mods])
+            b = None
+            if self.gate_proj is not None:  # the only projection with a bias
+                b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                b[-self.gate_proj.out_features:] = self.gate_proj.bias.detach()
+            cached = (key, w, b)
+            self.__dict__["_decode_cat"] = cached  # not a buffer: stays out of state_dict
+        return cached[1], cached[2]
+
+    def _project_decode(self, x: Tensor, pl: PagedLayer):
+        """``_project`` for one token per row (inference): one product for every projection and
+        a one-pass conv that shifts ``pl.conv`` in place (``kernels.cpu``)."""
+        B = x.shape[0]
+        H, K = self.H, self.K
+        w, b = self._decode_weights()
+        sizes = [3 * H * K] + [H * K] * (self.u_proj is not None) + [H * K]
+        if self.gate_proj is not None:
+            sizes.append(self.gate_proj.out_features)
+        parts = list(cpu_ops.linear(x[:, 0], w, b).split(sizes, dim=-1))  # each (B, n)
+        qkv = parts.pop(0)
+        u = parts.pop(0).view(B, 1, H, K) if self.u_proj is not None else None
+        g = parts.pop(0)
+        if self.conv is not None:
+            if not pl.inplace:
+                pl.conv = pl.conv.clone()
+            qkv = cpu_ops.conv_step_(pl.conv, qkv, self.conv.weight[:, 0], None, True)
+        q, k, v = qkv.view(B, 1, 3, H, K).unbind(2)  # each (B, 1, H, K)
+        q = F.normalize(q, dim=-1)
+        k = F.normalize(k, dim=-1)
+        gates = self._gate_acts(parts[0].view(B, 1, -1, H)) if parts else {}
+        return q, k, v, q if u is None else u, gates, g[:, None]
+
+    def _output(self, x: Tensor, y: Tensor, g: Tensor | None = None) -> Tensor:
         B, T = x.shape[:2]
-        y = self.out_norm(y).reshape(B, T, self.H * self.K) * F.silu(self.g_proj(x))
+        if g is None:
+            y = self.out_norm(y).reshape(B, T, self.H * self.K) * F.silu(self.g_proj(x))
+        else:  # decode: per-head norm and the silu(g) gate in one op
+            HK = self.H * self.K
+            y = cpu_ops.rms_norm(y.reshape(B * T, HK), self.out_norm.weight, self.out_norm.eps,
+                                 self.K, g.reshape(B * T, HK), True).view(B, T, HK)
         return self.o_proj(y)
 
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
@@ -178,6 +230,9 @@ class MCMixer(nn.Module):
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
+        if not torch.is_grad_enabled() and x.is_cpu:
+            q, k, v, u, gates, g = self._project_decode(x, pl)
+            return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates), g)
         q, k, v, u, gates, pl.conv = self._project(x, pl.conv)
         return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates))
 
@@ -207,8 +262,41 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x)), state
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        fused = self._fused_decode(x, pl)
+        if fused is not None:
+            return fused
         x = x + self.mixer.forward_paged(self.norm1(x), pl)
         return x + self.mlp(self.norm2(x))
+
+    #: MC variants the one-call C++ block handles (kernels.cpu.native_block_decode_)
+    _FUSED_VARIANTS = {"none": 0, "grm": 1, "soup": 1, "ssc": 2}
+
+    def _fused_decode(self, x: Tensor, pl: PagedLayer) -> Tensor | None:
+        """The whole block for one token per row as one C++ call (``native_block_decode_``),
+        when it applies: CPU float32 inference on the gated linear memory, states writable in
+        place, every cached block on the device. ``None`` otherwise (the Python path, its twin)."""
+        mixer = self.mixer
+        variant = self._FUSED_VARIANTS.get(mixer.cfg.mc_variant)
+        if (variant is None or type(mixer.family) is not LinearMemory or not pl.inplace
+                or pl.fetch is not None or torch.is_grad_enabled() or not x.is_cpu
+                or x.dtype != torch.float32 or x.shape[1] != 1 or cpu_ops.ops() is None
+                or mixer.memory.cfg.mode not in ("checkpoint", "independent")):
+            return None
+        S = pl.mem["S"]
+        if S.stride(-1) != 1 or S.stride(-2) != S.shape[-1] or not pl.pool["S"].is_contiguous():
+            return None
+        w_in, b_in = mixer._decode_weights()
+        names = mixer.gate_names
+        B = x.shape[0]
+        y = cpu_ops.ops().native_block_decode_(
+            x.view(B, -1), self.norm1.eps, self.norm1.weight, w_in, b_in,
+            None if mixer.conv is None else mixer.conv.weight[:, 0],
+            mixer.out_norm.weight, mixer.out_norm.eps, mixer.o_proj.weight,
+            self.norm2.weight, self.mlp.up.weight, self.mlp.down.weight,
+            mixer.H, mixer.K, mixer.u_proj is not None, "log_a" in names, "b" in names,
+            S, pl.conv, pl.seg_ksum, pl.seg_len, pl.table, pl.pool["S"], pl.ksum_pool,
+            mixer.cfg.segment_len, variant, mixer.cfg.mc_top_k, pl.top_k)
+        return y.view(x.shape)
 
 
 class RecurrentLM(nn.Module):

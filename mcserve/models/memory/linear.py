@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels.gla import chunk_gla
 from mcserve.models.memory.base import State
 
@@ -41,6 +42,8 @@ def _readout_mix_linear_paged(pool: State, ids: Tensor, q: Tensor, w: Tensor) ->
     S[id, h, k, :] weighted by w_n·q_k.
     """
     S = pool["S"]
+    if S.is_cpu and cpu_ops.enabled():  # one pass over the picked blocks in C++ (same sum)
+        return cpu_ops.readout_paged(S, ids, q[:, 0], w[:, 0])[:, None]
     _, H, K, V = S.shape
     B, n, _ = ids.shape
     heads = torch.arange(H, device=ids.device)
@@ -75,17 +78,15 @@ class LinearMemory:
         """``scan`` of one token (T = 1) that updates ``state["S"]`` in place; returns o.
 
         The engine's decode passes views of its slot pool here, so the state is read and
-        written where it lives: two passes over S plus the readout, instead of a gather, two
-        out-of-place passes, the readout and a scatter back.
+        written where it lives, in one pass that also reads out (C++ on CPU, or the torch twin
+        ``kernels.cpu.twins.linear_step_``), instead of a gather, two out-of-place passes, the
+        readout and a scatter back.
         """
-        S = state["S"]  # (B, H, K, V)
-        kt = k[:, 0]  # (B, H, K)
-        if gates.get("b") is not None:
-            kt = kt * gates["b"][:, 0, :, None]
-        if gates.get("log_a") is not None:
-            S.mul_(gates["log_a"][:, 0].exp()[..., None, None])
-        S.addcmul_(kt[..., :, None], v[:, 0, :, None, :])
-        return torch.matmul(q[:, 0, :, None, :], S).transpose(1, 2)  # (B, 1, H, V)
+        log_a, b = gates.get("log_a"), gates.get("b")
+        o = cpu_ops.linear_step_(state["S"], q[:, 0], k[:, 0], v[:, 0],  # one pass over S
+                                 None if log_a is None else log_a[:, 0],
+                                 None if b is None else b[:, 0])
+        return o[:, None]  # (B, 1, H, V)
 
     def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
         return _readout_mix_linear(mem["S"], q, w)

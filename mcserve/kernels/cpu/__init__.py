@@ -1,0 +1,176 @@
+"""Fused single-token CPU kernels (C++, built on first use), with torch twins.
+
+``ops()`` returns the compiled module, or ``None`` where it cannot be built (no C++ compiler,
+a non-x86 build, ``MCSERVE_CPU_KERNELS=0``); the reason is in ``status()``. The source is
+``ops.cpp`` beside this file; ``torch.utils.cpp_extension.load`` compiles it once per machine
+(about half a minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) and reuses it while the source is unchanged.
+
+The public functions below take the twin's signature (``twins.py``) and pick the C++ op when it
+is built and the inputs qualify (CPU, float32, the layouts the op expects), the twin otherwise,
+so callers never branch. ``tests/test_cpu_kernels.py`` compares each op with its twin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mcserve.kernels.cpu import twins
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("ops.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+#: rows up to which ``linear`` takes the C++ matrix-vector path: beyond it the GEMM's blocking
+#: (oneDNN / MKL) wins, since each weight row is reused by enough rows to be compute-bound
+GEMV_MAX_ROWS = 2
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+    if os.environ.get("MCSERVE_CPU_KERNELS_PORTABLE", "") != "1":
+        flags.append("-march=native")  # built where it runs: use this CPU's vector width
+    # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
+    return load(name="mcserve_cpu_ops", sources=[str(_SRC)], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def twins_only() -> Iterator[None]:
+    """Within the block (this thread), every op takes its torch twin: for flop counters and
+    profilers that see only torch ops, and for comparing whole models against the twins."""
+    prev = getattr(_local, "off", False)
+    _local.off = True
+    try:
+        yield
+    finally:
+        _local.off = prev
+
+
+def ops():
+    """The compiled module, building it on the first call; ``None`` if unavailable (or inside
+    ``twins_only()``)."""
+    if getattr(_local, "off", False):
+        return None
+    if "mod" in _state:
+        return _state["mod"]
+    with _lock:
+        if "mod" not in _state:
+            mod, why = None, None
+            if os.environ.get("MCSERVE_CPU_KERNELS", "1").strip() in ("0", "false", "no"):
+                why = "disabled by MCSERVE_CPU_KERNELS=0"
+            else:
+                try:
+                    log.info("building mcserve CPU kernels (once per machine)")
+                    mod = _build()
+                except Exception as e:  # no compiler / headers: the torch twins serve
+                    why = f"build failed: {type(e).__name__}: {str(e).strip()[-300:]}"
+                    log.warning("mcserve CPU kernels unavailable (%s); using torch ops", why)
+            _state["mod"], _state["why"] = mod, why
+    return _state["mod"]
+
+
+def status() -> str | None:
+    """``None`` when the C++ ops are built and in use, else why not."""
+    if getattr(_local, "off", False):
+        return "inside twins_only()"
+    ops()
+    return _state["why"]  # type: ignore[return-value]
+
+
+def enabled() -> bool:
+    return ops() is not None
+
+
+def _f32_cpu(*ts: Tensor | None) -> bool:
+    """Every tensor on the CPU in float32, and no gradient to record (the C++ ops have none)."""
+    grad = torch.is_grad_enabled()
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                             and not (grad and t.requires_grad)) for t in ts)
+
+
+# ---------------------------------------------------------------------------------- public ops
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` (twin ``twins.linear``); the C++ matrix-vector path for a few rows."""
+    m = ops()
+    rows = x.numel() // max(1, x.shape[-1])
+    if (m is None or rows > GEMV_MAX_ROWS or not _f32_cpu(x, weight, bias)
+            or not weight.is_contiguous()):
+        return twins.linear(x, weight, bias)
+    y = m.gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                 b: Tensor | None) -> Tensor:
+    """One gated-linear-attention token in place (twin ``twins.linear_step_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(S, q, k, v, log_a, b) or S.stride(-1) != 1
+            or S.stride(-2) != S.shape[-1]):
+        return twins.linear_step_(S, q, k, v, log_a, b)
+    return m.linear_step_(S, q, k, v, log_a, b)
+
+
+def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    """Weighted readout of pool blocks (twin ``twins.readout_paged``)."""
+    m = ops()
+    if m is None or not _f32_cpu(pool, q, w) or not pool.is_contiguous():
+        return twins.readout_paged(pool, ids, q, w)
+    return m.readout_paged(pool, ids, q, w)
+
+
+def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+               silu: bool) -> Tensor:
+    """One token of a depthwise causal conv, tail shifted in place (twin ``twins.conv_step_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(tail, x, weight, bias) or tail.stride(-1) != 1
+            or x.stride(-1) != 1):
+        return twins.conv_step_(tail, x, weight, bias, silu)
+    return m.conv_step_(tail, x, weight, bias, silu)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, group: int, z: Tensor | None = None,
+             norm_before_gate: bool = False) -> Tensor:
+    """Grouped, optionally gated RMSNorm of x ``(R, D)`` (twin ``twins.rms_norm``)."""
+    m = ops()
+    if m is None or not _f32_cpu(x, weight, z) or x.stride(-1) != 1 or (
+            z is not None and z.stride(-1) != 1) or (weight is not None
+                                                     and not weight.is_contiguous()):
+        return twins.rms_norm(x, weight, eps, group, z, norm_before_gate)
+    return m.rms_norm(x, weight, eps, group, z, norm_before_gate)
+
+
+def mc_scores_(seg_ksum: Tensor, k: Tensor, u: Tensor, seg_len: Tensor, ksum_pool: Tensor,
+               table: Tensor, segment_len: int) -> Tensor:
+    """MC routing scores of one token, key sum advanced in place (twin ``twins.mc_scores_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(seg_ksum, k, u, ksum_pool) or seg_ksum.stride(-1) != 1
+            or not ksum_pool.is_contiguous()):
+        return twins.mc_scores_(seg_ksum, k, u, seg_len, ksum_pool, table, segment_len)
+    return m.mc_scores_(seg_ksum, k, u, seg_len, ksum_pool, table, segment_len)
+
+
+def mc_step_readout_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                     b: Tensor | None, w_on: Tensor, pool: Tensor, ids: Tensor,
+                     w_c: Tensor) -> Tensor:
+    """Online step in place + weighted readout of pool blocks (twin ``twins.mc_step_readout_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(S, q, k, v, log_a, b, w_on, pool, w_c) or S.stride(-1) != 1
+            or S.stride(-2) != S.shape[-1] or not pool.is_contiguous()):
+        return twins.mc_step_readout_(S, q, k, v, log_a, b, w_on, pool, ids, w_c)
+    return m.mc_step_readout_(S, q, k, v, log_a, b, w_on, pool, ids, w_c)

@@ -1,0 +1,583 @@
+// Single-token (decode) CPU kernels for mcserve, built on first use by
+// torch.utils.cpp_extension (see __init__.py). Every op has a torch twin with the same
+// signature in twins.py; tests/test_cpu_kernels.py compares them.
+//
+// Why C++: a decode step on CPU is dominated by (a) matrix-vector products, where torch's GEMM
+// streams the weights at a third of this machine's bandwidth, and (b) hundreds of tiny tensor
+// ops of a few microseconds of dispatch each. Each op here is one pass over its data.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 4;  // weight rows per block: 4 running dot products per input row
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ",
+              t.scalar_type());
+}
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+}  // namespace
+
+// y (B, O) = x (B, I) · W (O, I)ᵀ + bias for one or two rows: the weights are streamed once, in
+// blocks of kRows rows that stay in L1 while every input row uses them. Each dot product is one
+// vectorised reduction over a contiguous weight row. (Interleaving the rows' accumulators in one
+// loop measured slower here; beyond two rows a blocked GEMM (oneDNN) wins.)
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W,
+                   const c10::optional<torch::Tensor>& bias) {
+  check_f32(x, "x");
+  check_f32(W, "weight");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(1),
+              "gemv: x (B, I) and weight (O, I) expected, got ", x.sizes(), " and ", W.sizes());
+  TORCH_CHECK(x.is_contiguous() && W.is_contiguous(), "gemv: contiguous x and weight expected");
+  const int64_t B = x.size(0), I = x.size(1), O = W.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == O && bias->is_contiguous(), "gemv: bias (O,) expected");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({B, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = W.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (O + kRows - 1) / kRows;
+  // at least 64 KiB of weights per thread: below that threads cost more than they save
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, I * kRows));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t o0 = blk * kRows, o1 = std::min(O, o0 + kRows);
+      for (int64_t r = 0; r < B; ++r) {
+        const float* xr = xp + r * I;
+        for (int64_t o = o0; o < o1; ++o) yp[r * O + o] = dot(wp + o * I, xr, I);
+      }
+    }
+  });
+  if (bp) y += bias.value();
+  return y;
+}
+
+// One token of gated linear attention, in place: S ← a·S + (b·k) vᵀ, returns o = Sᵀ q.
+// S (B, H, K, V) with (K, V) contiguous (rows may be a strided view of a slot pool);
+// q, k (B, H, K) and v (B, H, V) any strides (broadcast views are fine); log_a, b (B, H) or
+// undefined (no decay / no write gate). One pass over S.
+torch::Tensor linear_step_(torch::Tensor S, const torch::Tensor& q, const torch::Tensor& k,
+                           const torch::Tensor& v, const c10::optional<torch::Tensor>& log_a,
+                           const c10::optional<torch::Tensor>& b) {
+  check_f32(S, "S");
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(S.dim() == 4, "linear_step_: S (B, H, K, V) expected, got ", S.sizes());
+  const int64_t B = S.size(0), H = S.size(1), K = S.size(2), V = S.size(3);
+  TORCH_CHECK(S.stride(3) == 1 && S.stride(2) == V, "linear_step_: S needs contiguous (K, V)");
+  TORCH_CHECK(q.sizes() == torch::IntArrayRef({B, H, K}) &&
+                  k.sizes() == torch::IntArrayRef({B, H, K}) &&
+                  v.sizes() == torch::IntArrayRef({B, H, V}),
+              "linear_step_: q, k (B, H, K) and v (B, H, V) expected");
+  const bool has_a = log_a.has_value() && log_a->defined();
+  const bool has_b = b.has_value() && b->defined();
+  if (has_a) {
+    check_f32(*log_a, "log_a");
+    TORCH_CHECK(log_a->sizes() == torch::IntArrayRef({B, H}), "log_a (B, H) expected");
+  }
+  if (has_b) {
+    check_f32(*b, "b");
+    TORCH_CHECK(b->sizes() == torch::IntArrayRef({B, H}), "b (B, H) expected");
+  }
+  auto o = torch::empty({B, H, V}, S.options());
+  float* Sp = S.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* ap = has_a ? log_a->data_ptr<float>() : nullptr;
+  const float* bp = has_b ? b->data_ptr<float>() : nullptr;
+  const int64_t sS0 = S.stride(0), sS1 = S.stride(1);
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), q2 = q.stride(2);
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
+  const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
+  const int64_t a0 = has_a ? log_a->stride(0) : 0, a1 = has_a ? log_a->stride(1) : 0;
+  const int64_t g0 = has_b ? b->stride(0) : 0, g1 = has_b ? b->stride(1) : 0;
+  float* op = o.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * V));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> vv(V);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bi = i / H, h = i % H;
+      float* s = Sp + bi * sS0 + h * sS1;
+      const float a = has_a ? std::exp(ap[bi * a0 + h * a1]) : 1.f;
+      const float w = has_b ? bp[bi * g0 + h * g1] : 1.f;
+      const float* qr = qp + bi * q0 + h * q1;
+      const float* kr = kp + bi * k0 + h * k1;
+      const float* vr = vp + bi * v0 + h * v1;
+      for (int64_t j = 0; j < V; ++j) vv[j] = vr[j * v2];
+      float* out = op + i * V;
+      for (int64_t j = 0; j < V; ++j) out[j] = 0.f;
+      const float* vvp = vv.data();
+      for (int64_t r = 0; r < K; ++r) {
+        const float kw = kr[r * k2] * w, qv = qr[r * q2];
+        float* row = s + r * V;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) {
+          const float x = a * row[j] + kw * vvp[j];
+          row[j] = x;
+          out[j] += qv * x;
+        }
+      }
+    }
+  });
+  return o;
+}
+
+// Σ_n w[b, n, h] · S[ids[b, n, h], h]ᵀ q[b, h] read from the block pool in place.
+// pool (NB, H, K, V) contiguous, ids (B, n, H) int64, q (B, H, K), w (B, n, H) → (B, H, V).
+torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
+                            const torch::Tensor& q, const torch::Tensor& w) {
+  check_f32(pool, "pool");
+  check_f32(q, "q");
+  check_f32(w, "w");
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "readout_paged: contiguous pool expected");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 3, "ids (B, n, H) int64");
+  const int64_t NB = pool.size(0), H = pool.size(1), K = pool.size(2), V = pool.size(3);
+  const int64_t B = ids.size(0), n = ids.size(1);
+  TORCH_CHECK(ids.size(2) == H && q.sizes() == torch::IntArrayRef({B, H, K}) &&
+                  w.sizes() == torch::IntArrayRef({B, n, H}),
+              "readout_paged: ids (B, n, H), q (B, H, K), w (B, n, H) expected");
+  auto y = torch::zeros({B, H, V}, pool.options());
+  const float* P = pool.data_ptr<float>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float *qp = q.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const int64_t i0s = ids.stride(0), i1s = ids.stride(1), i2s = ids.stride(2);
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), q2 = q.stride(2);
+  const int64_t w0 = w.stride(0), w1 = w.stride(1), w2 = w.stride(2);
+  float* yp = y.data_ptr<float>();
+  bool bad = false;
+  constexpr int64_t kChunk = 64;  // output columns held in registers across every block and row
+  at::parallel_for(0, B * H, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> qv(K);
+    std::vector<const float*> blocks(n);
+    std::vector<float> wts(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t bi = r / H, h = r % H;
+      for (int64_t c = 0; c < K; ++c) qv[c] = qp[bi * q0 + h * q1 + c * q2];
+      int64_t nb = 0;
+      for (int64_t m = 0; m < n; ++m) {
+        const int64_t id = ip[bi * i0s + m * i1s + h * i2s];
+        if (id < 0 || id >= NB) { bad = true; continue; }
+        const float wt = wp[bi * w0 + m * w1 + h * w2];
+        if (wt == 0.f) continue;
+        blocks[nb] = P + (id * H + h) * K * V;
+        wts[nb++] = wt;
+      }
+      float* out = yp + r * V;
+      int64_t j0 = 0;
+      for (; j0 + kChunk <= V; j0 += kChunk) {
+        float acc[kChunk] = {};
+        for (int64_t m = 0; m < nb; ++m) {
+          const float* s = blocks[m] + j0;
+          const float wt = wts[m];
+          for (int64_t c = 0; c < K; ++c) {
+            const float f = wt * qv[c];
+            const float* row = s + c * V;
+#pragma omp simd
+            for (int64_t j = 0; j < kChunk; ++j) acc[j] += f * row[j];
+          }
+        }
+        for (int64_t j = 0; j < kChunk; ++j) out[j0 + j] = acc[j];
+      }
+      for (int64_t m = 0; m < nb && j0 < V; ++m) {  // the columns past the last full chunk
+        for (int64_t c = 0; c < K; ++c) {
+          const float f = wts[m] * qv[c];
+          const float* row = blocks[m] + c * V;
+          for (int64_t j = j0; j < V; ++j) out[j] += f * row[j];
+        }
+      }
+    }
+  });
+  TORCH_CHECK(!bad, "readout_paged: a block id is outside the pool");
+  return y;
+}
+
+// Depthwise causal conv of one token, in place on the tail: out = act(Σ_j w[:, j]·window_j + bias)
+// where window = [tail (B, W-1, C); x (B, C)]; the tail then shifts by one (x enters last).
+// weight (C, W); act: silu when `silu`, else identity. Returns out (B, C).
+torch::Tensor conv_step_(torch::Tensor tail, const torch::Tensor& x, const torch::Tensor& weight,
+                         const c10::optional<torch::Tensor>& bias, bool apply_silu) {
+  check_f32(tail, "conv tail");
+  check_f32(x, "x");
+  check_f32(weight, "conv weight");
+  TORCH_CHECK(tail.dim() == 3 && x.dim() == 2 && weight.dim() == 2, "conv_step_: shapes");
+  const int64_t B = tail.size(0), Wm1 = tail.size(1), C = tail.size(2);
+  TORCH_CHECK(weight.size(0) == C && weight.size(1) == Wm1 + 1 && x.size(0) == B &&
+                  x.size(1) == C,
+              "conv_step_: tail (B, W-1, C), x (B, C), weight (C, W) expected");
+  TORCH_CHECK(tail.stride(2) == 1 && x.stride(1) == 1, "conv_step_: channels must be contiguous");
+  auto wt = weight.t().contiguous();  // (W, C): unit stride over channels
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_f32(*bias, "conv bias");
+    TORCH_CHECK(bias->numel() == C && bias->is_contiguous(), "conv bias (C,) expected");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({B, C}, x.options());
+  float* tp = tail.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t t0 = tail.stride(0), t1 = tail.stride(1), xs0 = x.stride(0);
+  for (int64_t bi = 0; bi < B; ++bi) {
+    float* tb = tp + bi * t0;
+    const float* xb = xp + bi * xs0;
+    float* ob = op + bi * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) ob[c] = (bp ? bp[c] : 0.f) + wp[Wm1 * C + c] * xb[c];
+    for (int64_t j = 0; j < Wm1; ++j) {
+      const float* tj = tb + j * t1;
+      const float* wj = wp + j * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) ob[c] += wj[c] * tj[c];
+    }
+    for (int64_t j = 0; j + 1 < Wm1; ++j) {
+      float* dst = tb + j * t1;
+      const float* src = tb + (j + 1) * t1;
+      for (int64_t c = 0; c < C; ++c) dst[c] = src[c];
+    }
+    if (Wm1 > 0) {
+      float* last = tb + (Wm1 - 1) * t1;
+      for (int64_t c = 0; c < C; ++c) last[c] = xb[c];
+    }
+    if (apply_silu) {
+      for (int64_t c = 0; c < C; ++c) ob[c] = silu(ob[c]);
+    }
+  }
+  return out;
+}
+
+// RMSNorm over groups of `group` channels of x (R, D): y = w · h / rms(h), where h = x, or
+// x · silu(z) when z is given and !norm_before_gate (Mamba2's gated norm); with z and
+// norm_before_gate the gate multiplies after the norm. w has D or `group` entries (the latter:
+// the same weights for every group, as mcserve's per-head output norm).
+torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight,
+                       double eps, int64_t group, const c10::optional<torch::Tensor>& z,
+                       bool norm_before_gate) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x (R, D) with unit stride expected");
+  const int64_t R = x.size(0), D = x.size(1);
+  TORCH_CHECK(group > 0 && D % group == 0, "rms_norm: group must divide ", D, ", got ", group);
+  const float* wp = nullptr;
+  bool w_full = false;
+  if (weight.has_value() && weight->defined()) {
+    check_f32(*weight, "weight");
+    TORCH_CHECK(weight->is_contiguous() && (weight->numel() == D || weight->numel() == group),
+                "rms_norm: weight of ", D, " or ", group, " entries expected");
+    wp = weight->data_ptr<float>();
+    w_full = weight->numel() == D;
+  }
+  const float* zp = nullptr;
+  int64_t zs = 0;
+  if (z.has_value() && z->defined()) {
+    check_f32(*z, "z");
+    TORCH_CHECK(z->dim() == 2 && z->size(0) == R && z->size(1) == D && z->stride(1) == 1,
+                "rms_norm: z like x expected");
+    zp = z->data_ptr<float>();
+    zs = z->stride(0);
+  }
+  auto y = torch::empty({R, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  std::vector<float> h(group);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t g0 = 0; g0 < D; g0 += group) {
+      const float* xr = xp + r * xs + g0;
+      const float* zr = zp ? zp + r * zs + g0 : nullptr;
+      float ss = 0.f;
+      for (int64_t c = 0; c < group; ++c) {
+        float v = xr[c];
+        if (zr && !norm_before_gate) v *= silu(zr[c]);
+        h[c] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(group) + static_cast<float>(eps));
+      float* yr = yp + r * D + g0;
+      for (int64_t c = 0; c < group; ++c) {
+        float v = h[c] * inv;
+        if (wp) v *= wp[w_full ? g0 + c : c];
+        if (zr && norm_before_gate) v *= silu(zr[c]);
+        yr[c] = v;
+      }
+    }
+  }
+  return y;
+}
+
+// MC routing scores of one token (grm/ssc on a linear memory), with the segment's key sum
+// advanced in place: seg_ksum (B, H, K) += k. Returns r (B, N + 1, H): r[:, n] = ⟨u, ksum of
+// block table[b, n]⟩ / (C·√K) (−inf where table < 0), r[:, N] = ⟨u, seg_ksum / (seg_len + 1)⟩/√K.
+torch::Tensor mc_scores_(torch::Tensor seg_ksum, const torch::Tensor& k, const torch::Tensor& u,
+                         const torch::Tensor& seg_len, const torch::Tensor& ksum_pool,
+                         const torch::Tensor& table, int64_t segment_len) {
+  check_f32(seg_ksum, "seg_ksum");
+  check_f32(k, "k");
+  check_f32(u, "u");
+  check_f32(ksum_pool, "ksum_pool");
+  TORCH_CHECK(seg_ksum.dim() == 3 && seg_ksum.stride(2) == 1, "seg_ksum (B, H, K) expected");
+  const int64_t B = seg_ksum.size(0), H = seg_ksum.size(1), K = seg_ksum.size(2);
+  TORCH_CHECK(k.sizes() == seg_ksum.sizes() && u.sizes() == seg_ksum.sizes(),
+              "mc_scores_: k and u (B, H, K) expected");
+  TORCH_CHECK(ksum_pool.dim() == 3 && ksum_pool.size(1) == H && ksum_pool.size(2) == K &&
+                  ksum_pool.is_contiguous(), "mc_scores_: contiguous ksum_pool (NB, H, K)");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.size(0) == B,
+              "mc_scores_: table (B, N) int64 expected");
+  TORCH_CHECK(seg_len.scalar_type() == torch::kInt64 && seg_len.numel() == B,
+              "mc_scores_: seg_len (B,) int64 expected");
+  const int64_t N = table.size(1), NB = ksum_pool.size(0);
+  auto r = torch::empty({B, N + 1, H}, seg_ksum.options());
+  float* rp = r.data_ptr<float>();
+  float* sp = seg_ksum.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *up = u.data_ptr<float>();
+  const float* P = ksum_pool.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = seg_len.data_ptr<int64_t>();
+  const int64_t s0 = seg_ksum.stride(0), s1 = seg_ksum.stride(1);
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
+  const int64_t u0 = u.stride(0), u1 = u.stride(1), u2 = u.stride(2);
+  const int64_t t0 = table.stride(0), t1 = table.stride(1), l0 = seg_len.stride(0);
+  const float rs = 1.f / std::sqrt(static_cast<float>(K));
+  const float inf = std::numeric_limits<float>::infinity();
+  bool bad = false;
+  std::vector<float> uu(K);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float* cum = sp + b * s0 + h * s1;
+      float on = 0.f;
+      for (int64_t c = 0; c < K; ++c) {
+        uu[c] = up[b * u0 + h * u1 + c * u2];
+        cum[c] += kp[b * k0 + h * k1 + c * k2];
+        on += uu[c] * cum[c];
+      }
+      rp[(b * (N + 1) + N) * H + h] = on * rs / static_cast<float>(lp[b * l0] + 1);
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t id = tp[b * t0 + n * t1];
+        float v = -inf;
+        if (id >= NB) {
+          bad = true;
+        } else if (id >= 0) {
+          const float* ks = P + (id * H + h) * K;
+          float d = 0.f;
+#pragma omp simd reduction(+ : d)
+          for (int64_t c = 0; c < K; ++c) d += uu[c] * ks[c];
+          v = d * rs / static_cast<float>(segment_len);
+        }
+        rp[(b * (N + 1) + n) * H + h] = v;
+      }
+    }
+  }
+  TORCH_CHECK(!bad, "mc_scores_: a block id is outside the pool");
+  return r;
+}
+
+// One token of an MC linear memory (grm/ssc/soup read): the online state steps in place as
+// in linear_step_, and y = w_on · Sᵀq + Σ_n w_c[b, n, h] · pool[ids[b, n, h], h]ᵀ q.
+// w_on (B, H); ids, w_c (B, n, H). Returns y (B, H, V).
+torch::Tensor mc_step_readout_(torch::Tensor S, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const c10::optional<torch::Tensor>& log_a,
+                               const c10::optional<torch::Tensor>& b, const torch::Tensor& w_on,
+                               const torch::Tensor& pool, const torch::Tensor& ids,
+                               const torch::Tensor& w_c) {
+  check_f32(w_on, "w_on");
+  TORCH_CHECK(w_on.dim() == 2 && w_on.size(0) == S.size(0) && w_on.size(1) == S.size(1),
+              "mc_step_readout_: w_on (B, H) expected");
+  auto o = linear_step_(S, q, k, v, log_a, b);  // (B, H, V)
+  o.mul_(w_on.unsqueeze(-1));
+  if (ids.size(1) > 0) o.add_(readout_paged(pool, ids, q, w_c));
+  return o;
+}
+
+namespace {
+
+// x (B, I) · W (O, I)ᵀ (+ bias): the matrix-vector kernel for one or two rows, ATen's GEMM beyond
+torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& W,
+                          const c10::optional<torch::Tensor>& bias) {
+  if (x.size(0) <= 2) return gemv(x.contiguous(), W.contiguous(), bias);
+  return bias.has_value() && bias->defined() ? at::addmm(*bias, x, W.t()) : at::mm(x, W.t());
+}
+
+inline float log_sigmoid(float x) { return std::min(x, 0.f) - std::log1p(std::exp(-std::fabs(x))); }
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+}  // namespace
+
+// One decode token through a whole block of mcserve's native model (models/native.py) on the
+// gated linear memory: RMSNorm → projections (one stacked weight) → short conv + SiLU → q, k
+// L2-normalised per head → gates → MC memory (none, grm, ssc: routing, online step, readout of
+// the cached blocks) → per-head RMSNorm · silu(g) → o_proj → residual → RMSNorm → SwiGLU →
+// residual. x (B, D) → (B, D); S, conv_tail and seg_ksum are updated in place. The Python path
+// (Block.forward_paged under kernels.cpu.twins_only()) is its twin.
+torch::Tensor native_block_decode_(
+    const torch::Tensor& x, double eps, const torch::Tensor& norm1_w, const torch::Tensor& W_in,
+    const c10::optional<torch::Tensor>& b_in, const c10::optional<torch::Tensor>& conv_w,
+    const torch::Tensor& out_norm_w, double out_eps, const torch::Tensor& W_o,
+    const torch::Tensor& norm2_w, const torch::Tensor& W_up, const torch::Tensor& W_down,
+    int64_t H, int64_t K, bool use_u, bool has_decay, bool has_write, torch::Tensor S,
+    c10::optional<torch::Tensor> conv_tail, torch::Tensor seg_ksum, const torch::Tensor& seg_len,
+    const torch::Tensor& table, const torch::Tensor& pool, const torch::Tensor& ksum_pool,
+    int64_t segment_len, int64_t variant, int64_t top_k,
+    const c10::optional<torch::Tensor>& top_k_rows) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "native_block_decode_: x (B, D) expected");
+  TORCH_CHECK(variant >= 0 && variant <= 2, "native_block_decode_: variant 0/1/2 expected");
+  const int64_t B = x.size(0), D = x.size(1), HK = H * K;
+  auto xc = x.contiguous();
+  auto h = rms_norm(xc, norm1_w, eps, D, c10::nullopt, false);
+  auto z = rows_linear(h, W_in, b_in);  // (B, 3HK [+ HK u] + HK g + n_gates·H)
+  TORCH_CHECK(z.size(1) == (4 + use_u) * HK + (has_decay + has_write) * H,
+              "native_block_decode_: stacked projection width mismatch");
+  torch::Tensor qkv = z.narrow(1, 0, 3 * HK);
+  if (conv_w.has_value() && conv_w->defined()) {
+    TORCH_CHECK(conv_tail.has_value() && conv_tail->defined(), "conv weight without a tail");
+    qkv = conv_step_(*conv_tail, qkv, *conv_w, c10::nullopt, true);
+  } else {
+    qkv = qkv.contiguous();
+  }
+  // q, k normalised per head (F.normalize: x / max(‖x‖, 1e-12)); v as is
+  auto q = torch::empty({B, H, K}, x.options());
+  auto k = torch::empty({B, H, K}, x.options());
+  auto v = qkv.narrow(1, 2 * HK, HK).reshape({B, H, K});
+  {
+    const float* src = qkv.data_ptr<float>();
+    float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t part = 0; part < 2; ++part) {
+        float* dst = part == 0 ? qp : kp;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const float* r = src + b * 3 * HK + part * HK + hh * K;
+          float ss = 0.f;
+          for (int64_t c = 0; c < K; ++c) ss += r[c] * r[c];
+          const float inv = 1.f / std::max(std::sqrt(ss), 1e-12f);
+          float* d = dst + (b * H + hh) * K;
+          for (int64_t c = 0; c < K; ++c) d[c] = r[c] * inv;
+        }
+      }
+    }
+  }
+  int64_t off = 3 * HK;
+  torch::Tensor u = q;
+  if (use_u) {
+    u = z.narrow(1, off, HK).reshape({B, H, K});
+    off += HK;
+  }
+  auto g = z.narrow(1, off, HK);
+  off += HK;
+  c10::optional<torch::Tensor> log_a, wb;
+  if (has_decay || has_write) {
+    auto raw = z.narrow(1, off, (has_decay + has_write) * H).contiguous();
+    const float* rp = raw.data_ptr<float>();
+    const int64_t nG = has_decay + has_write;
+    if (has_decay) {
+      auto t = torch::empty({B, H}, x.options());
+      float* tp = t.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hh = 0; hh < H; ++hh) tp[b * H + hh] = log_sigmoid(rp[b * nG * H + hh]) / 8.f;
+      log_a = t;
+    }
+    if (has_write) {
+      auto t = torch::empty({B, H}, x.options());
+      float* tp = t.data_ptr<float>();
+      const int64_t gi = has_decay ? 1 : 0;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hh = 0; hh < H; ++hh) tp[b * H + hh] = sigmoid(rp[b * nG * H + gi * H + hh]);
+      wb = t;
+    }
+  }
+  torch::Tensor y;  // (B, H, K)
+  if (variant == 0) {
+    y = linear_step_(S, q, k, v, log_a, wb);
+  } else {
+    auto r = mc_scores_(seg_ksum, k, u, seg_len, ksum_pool, table, segment_len);  // (B, N+1, H)
+    const int64_t N = table.size(1);
+    std::vector<int64_t> kb(B, N);
+    if (variant == 2) {
+      for (int64_t b = 0; b < B; ++b) {
+        int64_t kk = top_k;
+        if (top_k_rows.has_value() && top_k_rows->defined())
+          kk = top_k_rows->index({b}).item<int64_t>();
+        kb[b] = std::min<int64_t>(std::max<int64_t>(kk, 0), N);
+      }
+    }
+    const int64_t nmax = B ? *std::max_element(kb.begin(), kb.end()) : 0;
+    auto ids = torch::zeros({B, nmax, H}, table.options());
+    auto wc = torch::zeros({B, nmax, H}, x.options());
+    auto won = torch::empty({B, H}, x.options());
+    const float* rp = r.data_ptr<float>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    const int64_t t0 = table.stride(0), t1 = table.stride(1);
+    int64_t* ip = ids.data_ptr<int64_t>();
+    float* wp = wc.data_ptr<float>();
+    float* op = won.data_ptr<float>();
+    std::vector<int64_t> order(N);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t hh = 0; hh < H; ++hh) {
+        auto score = [&](int64_t n) { return rp[(b * (N + 1) + n) * H + hh]; };
+        for (int64_t n = 0; n < N; ++n) order[n] = n;
+        const int64_t kk = kb[b];
+        if (variant == 2 && kk < N) {  // best scores first, ties to the more recent block
+          std::partial_sort(order.begin(), order.begin() + kk, order.end(),
+                            [&](int64_t a, int64_t c) {
+                              const float sa = score(a), sc = score(c);
+                              return sa > sc || (sa == sc && a > c);
+                            });
+        }
+        float mx = score(N);
+        for (int64_t j = 0; j < kk; ++j) mx = std::max(mx, score(order[j]));
+        float tot = std::exp(score(N) - mx);
+        for (int64_t j = 0; j < kk; ++j) tot += std::exp(score(order[j]) - mx);
+        op[b * H + hh] = std::exp(score(N) - mx) / tot;
+        for (int64_t j = 0; j < kk; ++j) {
+          const int64_t n = order[j];
+          const int64_t id = tp[b * t0 + n * t1];
+          ip[(b * nmax + j) * H + hh] = id < 0 ? 0 : id;
+          wp[(b * nmax + j) * H + hh] = std::exp(score(n) - mx) / tot;  // 0 for −inf (no block)
+        }
+      }
+    }
+    y = mc_step_readout_(S, q, k, v, log_a, wb, won, pool, ids, wc);
+  }
+  auto yn = rms_norm(y.reshape({B, HK}), out_norm_w, out_eps, K, g, true);
+  auto x1 = xc + rows_linear(yn, W_o, c10::nullopt);
+  auto t = rows_linear(rms_norm(x1, norm2_w, eps, D, c10::nullopt, false), W_up, c10::nullopt);
+  const int64_t F = t.size(1) / 2;
+  auto m = torch::empty({B, F}, x.options());
+  {
+    const float* tp = t.data_ptr<float>();
+    float* mp = m.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < F; ++c) mp[b * F + c] = silu(tp[b * 2 * F + c]) * tp[b * 2 * F + F + c];
+  }
+  return x1 + rows_linear(m, W_down, c10::nullopt);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "y = x Wᵀ + bias for a few rows");
+  m.def("linear_step_", &linear_step_, "one token of gated linear attention, in place");
+  m.def("readout_paged", &readout_paged, "weighted readout of pool blocks");
+  m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");
+  m.def("rms_norm", &rms_norm, "grouped RMSNorm, optionally gated by silu(z)");
+  m.def("mc_scores_", &mc_scores_, "MC routing scores of one token; seg_ksum += k in place");
+  m.def("mc_step_readout_", &mc_step_readout_, "online step + weighted readout of pool blocks");
+  m.def("native_block_decode_", &native_block_decode_, "one token through a native MC block");
+}

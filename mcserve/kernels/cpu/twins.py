@@ -1,0 +1,90 @@
+"""Plain torch twins of the C++ ops in ``ops.cpp`` (same signatures, same results)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x ``(..., I)`` · weight ``(O, I)``ᵀ + bias → ``(..., O)``."""
+    return F.linear(x, weight, bias)
+
+
+def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                 b: Tensor | None) -> Tensor:
+    """S ``(B, H, K, V)`` ← a·S + (b·k) vᵀ in place; returns o = Sᵀq ``(B, H, V)``.
+
+    q, k ``(B, H, K)``, v ``(B, H, V)``, log_a and b ``(B, H)`` or None.
+    """
+    kt = k if b is None else k * b[..., None]
+    if log_a is not None:
+        S.mul_(log_a.exp()[..., None, None])
+    S.addcmul_(kt[..., :, None], v[..., None, :])
+    return torch.matmul(q[..., None, :], S)[..., 0, :]
+
+
+def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    """Σ_n w[b, n, h]·pool[ids[b, n, h], h]ᵀ q[b, h]: pool ``(NB, H, K, V)``, ids ``(B, n, H)``,
+    q ``(B, H, K)``, w ``(B, n, H)`` → ``(B, H, V)``."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pool.shape[0]):
+        raise IndexError("readout_paged: a block id is outside the pool")
+    H = pool.shape[1]
+    S = pool[ids, torch.arange(H, device=ids.device)]  # (B, n, H, K, V)
+    return torch.einsum("bnh,bhk,bnhkv->bhv", w, q, S)
+
+
+def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+               silu: bool) -> Tensor:
+    """tail ``(B, W-1, C)``, x ``(B, C)``, weight ``(C, W)`` → act(conv) ``(B, C)``; the tail
+    drops its oldest input and takes x, in place."""
+    full = torch.cat([tail, x[:, None]], dim=1)  # (B, W, C)
+    out = (full * weight.t()).sum(1)
+    if bias is not None:
+        out = out + bias
+    tail.copy_(full[:, 1:])
+    return F.silu(out) if silu else out
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, group: int, z: Tensor | None,
+             norm_before_gate: bool) -> Tensor:
+    """RMSNorm of x ``(R, D)`` over groups of ``group`` channels, times weight (D or group
+    entries); gated by silu(z) before the norm, or after it when ``norm_before_gate``."""
+    R, D = x.shape
+    h = x * F.silu(z) if z is not None and not norm_before_gate else x
+    y = F.rms_norm(h.reshape(R, D // group, group), (group,), eps=eps).reshape(R, D)
+    if weight is not None:
+        y = y * (weight if weight.numel() == D else weight.repeat(D // group))
+    if z is not None and norm_before_gate:
+        y = y * F.silu(z)
+    return y
+
+
+def mc_scores_(seg_ksum: Tensor, k: Tensor, u: Tensor, seg_len: Tensor, ksum_pool: Tensor,
+               table: Tensor, segment_len: int) -> Tensor:
+    """MC routing scores ``(B, N + 1, H)`` of one token; ``seg_ksum (B, H, K) += k`` in place.
+
+    r[:, n] = ⟨u, ksum_pool[table[:, n]]⟩ / (C·√K), −inf where ``table < 0``;
+    r[:, N] = ⟨u, seg_ksum / (seg_len + 1)⟩ / √K (the online segment's mean key).
+    """
+    if table.numel() and int(table.max()) >= ksum_pool.shape[0]:
+        raise IndexError("mc_scores_: a block id is outside the pool")
+    K = k.shape[-1]
+    seg_ksum.add_(k)
+    r_on = (u * seg_ksum).sum(-1) / (seg_len.to(u.dtype)[:, None] + 1) / math.sqrt(K)  # (B, H)
+    r_c = (ksum_pool[table.clamp_min(0)] * u[:, None]).sum(-1) / (segment_len * math.sqrt(K))
+    r_c = r_c.masked_fill((table < 0)[..., None], float("-inf"))  # (B, N, H)
+    return torch.cat([r_c, r_on[:, None]], dim=1)
+
+
+def mc_step_readout_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                     b: Tensor | None, w_on: Tensor, pool: Tensor, ids: Tensor,
+                     w_c: Tensor) -> Tensor:
+    """``linear_step_`` then y = w_on·o + Σ_n w_c[b, n, h]·pool[ids[b, n, h], h]ᵀq ``(B, H, V)``."""
+    o = linear_step_(S, q, k, v, log_a, b) * w_on[..., None]
+    if ids.shape[1]:
+        o = o + readout_paged(pool, ids, q, w_c)
+    return o

@@ -1,0 +1,162 @@
+"""The C++ decode kernels (mcserve/kernels/cpu/ops.cpp) against their torch twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcserve.kernels import cpu
+from mcserve.kernels.cpu import twins
+
+pytestmark = pytest.mark.skipif(
+    cpu.ops() is None, reason=f"C++ CPU kernels unavailable: {cpu.status()}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("rows,O,I,bias", [
+    (1, 768, 256, False), (3, 257, 129, True), (8, 5, 33, True), (2, 1, 7, False)],
+    ids=["b1-768x256", "b3-odd-bias", "b8-tiny", "b2-one-row"])
+def test_gemv_matches_linear(rows, O, I, bias):
+    g = torch.Generator().manual_seed(O * I)
+    x = torch.randn(rows, I, generator=g)
+    W = torch.randn(O, I, generator=g)
+    b = torch.randn(O, generator=g) if bias else None
+    got = cpu.ops().gemv(x, W, b)
+    assert rel_err(got, twins.linear(x, W, b)) < 1e-5
+    # the public wrapper: leading dims kept, more rows than the GEMV limit go to the twin
+    x3 = torch.randn(rows, 1, I, generator=g)
+    assert cpu.linear(x3, W, b).shape == (rows, 1, O)
+    assert rel_err(cpu.linear(x3, W, b), twins.linear(x3, W, b)) < 1e-5
+    xb = torch.randn(cpu.GEMV_MAX_ROWS + 1, I, generator=g)
+    assert rel_err(cpu.linear(xb, W, b), twins.linear(xb, W, b)) < 1e-5
+
+
+def test_gemv_rejects_bad_shapes():
+    with pytest.raises(RuntimeError, match="gemv"):
+        cpu.ops().gemv(torch.randn(2, 3), torch.randn(4, 5), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.ops().gemv(torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 3), None)
+
+
+@pytest.mark.parametrize("B,H,K,V,gates,view", [
+    (1, 4, 64, 64, "ab", "plain"), (3, 2, 16, 24, "a", "pool-slice"),
+    (2, 5, 8, 32, "b", "broadcast-qk"), (4, 3, 32, 16, "", "plain")],
+    ids=["b1-h4", "pool-view-decay", "mamba-broadcast-write", "no-gates"])
+def test_linear_step_matches_twin(B, H, K, V, gates, view):
+    g = torch.Generator().manual_seed(B * 100 + H)
+    if view == "pool-slice":  # rows of a bigger slot pool, updated where they live
+        pool = torch.randn(B + 3, H, K, V, generator=g)
+        S = pool[1:1 + B]
+    else:
+        S = torch.randn(B, H, K, V, generator=g)
+    if view == "broadcast-qk":  # Mamba2: one group shared by every head (stride 0 on H)
+        q = torch.randn(B, 1, K, generator=g).expand(B, H, K)
+        k = torch.randn(B, 1, K, generator=g).expand(B, H, K)
+    else:
+        q, k = torch.randn(B, H, K, generator=g), torch.randn(B, H, K, generator=g)
+    v = torch.randn(B, H, V, generator=g)
+    log_a = -torch.rand(B, H, generator=g) if "a" in gates else None
+    b = torch.rand(B, H, generator=g) if "b" in gates else None
+    S_ref = S.clone()
+    o_ref = twins.linear_step_(S_ref, q, k, v, log_a, b)
+    o = cpu.linear_step_(S, q, k, v, log_a, b)
+    assert rel_err(o, o_ref) < 1e-5
+    assert rel_err(S, S_ref) < 1e-6
+    if view == "pool-slice":
+        assert pool[0].abs().sum() > 0 and S.data_ptr() == pool[1].data_ptr()
+
+
+@pytest.mark.parametrize("B,n,H,K,V", [(1, 16, 4, 64, 64), (3, 5, 2, 8, 24), (2, 0, 3, 4, 4)],
+                         ids=["b1-16blocks", "odd", "no-blocks"])
+def test_readout_paged_matches_twin(B, n, H, K, V):
+    g = torch.Generator().manual_seed(n + 7)
+    pool = torch.randn(20, H, K, V, generator=g)
+    ids = torch.randint(0, 20, (B, n, H), generator=g)
+    q = torch.randn(B, H, K, generator=g)
+    w = torch.rand(B, n, H, generator=g)
+    if n:
+        w[0, 0, 0] = 0.0  # a zero weight (masked pick) contributes nothing
+    got = cpu.readout_paged(pool, ids, q, w)
+    want = twins.readout_paged(pool, ids, q, w)
+    assert got.shape == (B, H, V)
+    assert (got == 0).all() if n == 0 else rel_err(got, want) < 1e-5
+
+
+def test_readout_paged_rejects_out_of_pool_ids():
+    pool = torch.randn(4, 2, 3, 3)
+    ids = torch.tensor([[[0, 9]]])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.readout_paged(pool, ids, torch.randn(1, 2, 3), torch.ones(1, 1, 2))
+    with pytest.raises(IndexError, match="outside the pool"):
+        twins.readout_paged(pool, ids, torch.randn(1, 2, 3), torch.ones(1, 1, 2))
+
+
+@pytest.mark.parametrize("B,W,C,bias,silu", [(1, 4, 96, True, True), (3, 2, 7, False, True),
+                                             (2, 4, 33, False, False), (2, 1, 5, True, True)],
+                         ids=["mamba-like", "w2-odd", "no-act", "w1-no-tail"])
+def test_conv_step_matches_twin(B, W, C, bias, silu):
+    g = torch.Generator().manual_seed(C)
+    big = torch.randn(B + 2, W - 1, C, generator=g)
+    tail = big[1:1 + B]  # a view of a slot pool
+    x = torch.randn(B, C, generator=g)
+    w = torch.randn(C, W, generator=g)
+    bb = torch.randn(C, generator=g) if bias else None
+    tail_ref = tail.clone()
+    want = twins.conv_step_(tail_ref, x, w, bb, silu)
+    got = cpu.conv_step_(tail, x, w, bb, silu)
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(tail, tail_ref)
+
+
+@pytest.mark.parametrize("R,D,group,wlen,gate", [
+    (1, 256, 256, "full", None), (3, 96, 32, "group", None), (2, 48, 16, "full", "before"),
+    (1, 64, 64, None, "after")], ids=["plain", "per-head", "mamba-gated", "gate-after"])
+def test_rms_norm_matches_twin(R, D, group, wlen, gate):
+    g = torch.Generator().manual_seed(D + R)
+    x = torch.randn(R, D + 5, generator=g)[:, :D]  # rows with a stride (a slice of a wider out)
+    w = {"full": torch.randn(D, generator=g), "group": torch.randn(group, generator=g),
+         None: None}[wlen]
+    z = torch.randn(R, D, generator=g) if gate else None
+    nbg = gate == "after"
+    got = cpu.rms_norm(x, w, 1e-5, group, z, nbg)
+    assert rel_err(got, twins.rms_norm(x, w, 1e-5, group, z, nbg)) < 1e-5
+
+
+def test_mc_scores_matches_twin():
+    g = torch.Generator().manual_seed(3)
+    B, H, K, N, NB = 3, 4, 16, 5, 12
+    seg = torch.randn(B + 1, H, K, generator=g)[1:]  # a view of a slot pool
+    k, u = torch.randn(B, H, K, generator=g), torch.randn(B, H, K, generator=g)
+    seg_len = torch.tensor([0, 7, 63])
+    ksum = torch.randn(NB, H, K, generator=g)
+    table = torch.randint(0, NB, (B, N), generator=g)
+    table[0, 2:] = -1  # a row with fewer blocks
+    seg_ref = seg.clone()
+    want = twins.mc_scores_(seg_ref, k, u, seg_len, ksum, table, 64)
+    got = cpu.mc_scores_(seg, k, u, seg_len, ksum, table, 64)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert rel_err(got[fin], want[fin]) < 1e-5 and rel_err(seg, seg_ref) < 1e-6
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.mc_scores_(seg, k, u, seg_len, ksum, torch.full((B, N), NB), 64)
+
+
+@pytest.mark.parametrize("n", [0, 1, 6], ids=["no-blocks", "one-block", "six-blocks"])
+def test_mc_step_readout_matches_twin(n):
+    g = torch.Generator().manual_seed(n)
+    B, H, K, V = 2, 3, 8, 12
+    S = torch.randn(B, H, K, V, generator=g)
+    q, k = torch.randn(B, H, K, generator=g), torch.randn(B, H, K, generator=g)
+    v = torch.randn(B, H, V, generator=g)
+    log_a, b = -torch.rand(B, H, generator=g), torch.rand(B, H, generator=g)
+    w_on = torch.rand(B, H, generator=g)
+    pool = torch.randn(9, H, K, V, generator=g)
+    ids = torch.randint(0, 9, (B, n, H), generator=g)
+    w_c = torch.rand(B, n, H, generator=g)
+    S_ref = S.clone()
+    want = twins.mc_step_readout_(S_ref, q, k, v, log_a, b, w_on, pool, ids, w_c)
+    got = cpu.mc_step_readout_(S, q, k, v, log_a, b, w_on, pool, ids, w_c)
+    assert rel_err(got, want) < 1e-5 and rel_err(S, S_ref) < 1e-6

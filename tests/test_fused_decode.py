@@ -1,0 +1,82 @@
+"""The one-call C++ decode block (``Block._fused_decode`` → ``native_block_decode_``) against
+the Python path it replaces (the same engine under ``kernels.cpu.twins_only()``): the same
+greedy tokens and log-probabilities, with ragged batches of 1, 2 and more rows (the GEMV and
+the GEMM paths), cached blocks, per-request ssc top_k, and every gate/conv/u combination."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcserve.config import EngineConfig, ModelConfig
+from mcserve.engine.llm_engine import LLMEngine
+from mcserve.engine.sampling import SamplingParams
+from mcserve.kernels import cpu
+from mcserve.models import native
+from mcserve.models.native import MCForCausalLM
+
+pytestmark = pytest.mark.skipif(
+    cpu.ops() is None, reason=f"C++ CPU kernels unavailable: {cpu.status()}")
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def generate(model, prompts, overrides=None):
+    eng = LLMEngine(EngineConfig(max_num_seqs=8, num_state_blocks=256, dtype="float32",
+                                 max_model_len=128, max_num_batched_tokens=64), model=model)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), None, PARAMS, prompt_token_ids=p,
+                        mc_overrides=(overrides or {}).get(i))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[int(o.request_id)] = (c.token_ids, [d[t] for d, t in
+                                                        zip(c.logprobs, c.token_ids)])
+    assert eng.cache.is_whole()
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("variant,kw,n_prompts", [
+    ("grm", {}, 1), ("grm", {}, 2), ("grm", {}, 5),
+    ("ssc", {"mc_top_k": 2}, 5), ("none", {}, 3),
+    ("grm", {"conv_size": 0, "share_uq": True}, 3),
+    ("ssc", {"use_decay_gate": False, "mc_mode": "independent"}, 4),
+    ("soup", {"use_write_gate": False}, 2)],
+    ids=["grm-1row", "grm-2rows", "grm-5rows", "ssc-top2", "none", "grm-noconv-uq",
+         "ssc-nodecay-indep", "soup-nowrite"])
+def test_fused_block_same_as_python_path(monkeypatch, variant, kw, n_prompts):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=200, d_model=48, n_layers=2, n_heads=3, head_dim=16,
+                      mc_variant=variant, segment_len=4, **kw)
+    model = MCForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist()
+               for n in (9, 1, 22, 5, 14)[:n_prompts]]
+    overrides = {0: {"mc_top_k": 1}} if variant == "ssc" else None  # per-row top_k
+    fused = []
+    real = native.Block._fused_decode
+    monkeypatch.setattr(native.Block, "_fused_decode",
+                        lambda self, x, pl: fused.append(1) or real(self, x, pl))
+    got = generate(model, prompts, overrides)
+    n_fused = len(fused)
+    real_ops = cpu.ops()
+    assert real_ops is not None and n_fused > 0
+    with cpu.twins_only():
+        want = generate(model, prompts, overrides)
+    for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
+        assert ids == ids_ref
+        assert max(abs(a - b) for a, b in zip(lps, lps_ref)) < 5e-4  # float32 sums, 12 steps
+
+
+def test_fused_block_not_used_when_it_cannot_apply():
+    torch.manual_seed(0)
+    model = MCForCausalLM(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                      head_dim=8, mc_variant="residual", segment_len=4))
+    blk = model.layers[0]
+    assert blk._FUSED_VARIANTS.get("residual") is None  # collapsed sums: the Python path
+    swla = MCForCausalLM(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                     head_dim=8, memory="swla", segment_len=4))
+    x = torch.randn(1, 1, 32)
+    assert swla.layers[0]._fused_decode(x, None) is None  # other memory families
