@@ -160,3 +160,17 @@ def test_mc_step_readout_matches_twin(n):
     want = twins.mc_step_readout_(S_ref, q, k, v, log_a, b, w_on, pool, ids, w_c)
     got = cpu.mc_step_readout_(S, q, k, v, log_a, b, w_on, pool, ids, w_c)
     assert rel_err(got, want) < 1e-5 and rel_err(S, S_ref) < 1e-6
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((3, 5), torch.float32), ((2100, 4, 64, 64), torch.float32), ((1 << 22,), torch.float64)],
+    ids=["small-plain", "pool-hugepage", "float64"])
+def test_zeros_like_torch_zeros(shape, dtype):
+    t = cpu.zeros(shape, dtype, "cpu")
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    t.view(-1)[-1] = 1.0  # the whole extent is writable, and freed with the tensor
+    assert float(t.sum()) == 1.0
+    del t
+    direct = cpu.ops().zeros_hugepage([7, 3], torch.float32)
+    assert direct.shape == (7, 3) and not direct.any()

@@ -80,3 +80,35 @@ def test_fused_block_not_used_when_it_cannot_apply():
                                      head_dim=8, memory="swla", segment_len=4))
     x = torch.randn(1, 1, 32)
     assert swla.layers[0]._fused_decode(x, None) is None  # other memory families
+
+
+@pytest.mark.parametrize("groups,kw,n_prompts", [
+    (1, {}, 1), (2, {"d_has_hdim": True}, 3), (1, {"rmsnorm": False}, 2),
+    (1, {"norm_before_gate": True, "time_step_limit": (0.01, 0.5)}, 2)],
+    ids=["1group-1row", "2groups-Dhdim-3rows", "no-gated-norm", "norm-first-clamped"])
+def test_fused_mamba2_block_same_as_python_path(monkeypatch, groups, kw, n_prompts):
+    from mcserve.models import mamba2
+
+    torch.manual_seed(0)
+    cfg = mamba2.Mamba2Config(vocab_size=120, d_model=32, n_layers=2, n_heads=4, head_dim=8,
+                              state_size=16, n_groups=groups, **kw)
+    model = mamba2.Mamba2MCForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial biases, decays and skips
+        for blk in model.layers:
+            blk.mixer.dt_bias.normal_()
+            blk.mixer.A_log.uniform_(-1, 1)
+            blk.mixer.D.normal_()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 120, (n,), generator=g).tolist() for n in (7, 1, 12)[:n_prompts]]
+    fused = []
+    real = mamba2.Mamba2Block._fused_decode
+    monkeypatch.setattr(mamba2.Mamba2Block, "_fused_decode",
+                        lambda self, x, pl: (lambda y: fused.append(y is not None) or y)(
+                            real(self, x, pl)))
+    got = generate(model, prompts)
+    assert fused and all(fused)
+    with cpu.twins_only():
+        want = generate(model, prompts)
+    for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
+        assert ids == ids_ref
+        assert max(abs(a - b) for a, b in zip(lps, lps_ref)) < 5e-4

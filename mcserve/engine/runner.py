@@ -231,7 +231,7 @@ class ModelRunner:
         if self.private:  # per sequence: each has its own logarithmic segmentation
             rows = []
             for s in seqs:
-                x = torch.tensor([[s.all_ids[-1]]], device=dev)
+                x = torch.tensor([[s.last_id]], device=dev)
                 logits, self.states[s.seq_id] = self.model(x, self.states[s.seq_id])
                 s.num_computed_tokens += 1
                 rows.append(logits[0, -1])
@@ -247,29 +247,35 @@ class ModelRunner:
         idx = (slice(s0, s0 + len(seqs)) if contiguous else
                torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev))
         n_max = max(len(s.block_table) for s in seqs)
-        table = torch.full((len(seqs), n_max), -1, dtype=torch.long, device=dev)
-        for r, s in enumerate(seqs):
-            if s.block_table:
-                table[r, :len(s.block_table)] = torch.tensor(s.block_table, device=dev)
+        if len(seqs) == 1 and n_max:  # read-only below: the sequence's own tensor will do
+            table = seqs[0].table_tensor(dev)[None]
+        else:
+            table = torch.full((len(seqs), n_max), -1, dtype=torch.long, device=dev)
+            for r, s in enumerate(seqs):
+                if s.block_table:
+                    table[r, :len(s.block_table)] = s.table_tensor(dev)
         seg_len = torch.tensor([s.seg_len for s in seqs], dtype=torch.long, device=dev)
         n_seg = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long, device=dev)
         layers = []
         offloaded = bool((table >= self.cache.host_base).any())
         top_k = (torch.tensor([s.top_k or self.model.config.mc_top_k for s in seqs], device=dev)
                  if any(s.top_k for s in seqs) else None)
+        rows_in = []  # per layer: the slot tensors' rows as handed to the model
         for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
                                               strict=True)):
             keys = mc.family.readout_keys
+            got = {n: t[idx] for n, t in sl.items()}  # views when contiguous, else copies
+            rows_in.append(got)
             layers.append(PagedLayer(
-                mem={n[4:]: t[idx] for n, t in sl.items() if n.startswith("mem.")},
-                conv=sl["conv"][idx] if "conv" in sl else None,
-                seg_ksum=sl["seg_ksum"][idx], seg_len=seg_len, n_seg=n_seg,
-                csum={k: sl[f"csum.{k}"][idx] for k in keys} if mc.collapsed else None,
+                mem={n[4:]: t for n, t in got.items() if n.startswith("mem.")},
+                conv=got.get("conv"),
+                seg_ksum=got["seg_ksum"], seg_len=seg_len, n_seg=n_seg,
+                csum={k: got[f"csum.{k}"] for k in keys} if mc.collapsed else None,
                 table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
                 fetch=partial(self.cache.fetch, li) if offloaded else None, top_k=top_k,
                 inplace=True,  # views of the pool, or gathered copies: writable either way
             ))
-        tokens = torch.tensor([[s.all_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
+        tokens = torch.tensor([[s.last_id] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]
         # rows whose segment completes with this token push a checkpoint
         done = [r for r, s in enumerate(seqs) if self.segmented and s.seg_len + 1 == self.C]
@@ -292,7 +298,7 @@ class ModelRunner:
                 if self.independent:
                     for k, t in pl.mem.items():
                         t[rows] = init[k]
-        for sl, pl in zip(self.cache.slot, layers, strict=True):
+        for sl, pl, got in zip(self.cache.slot, layers, rows_in, strict=True):
             news = {f"mem.{k}": t for k, t in pl.mem.items()}
             news["seg_ksum"] = pl.seg_ksum
             if pl.conv is not None:
@@ -300,9 +306,8 @@ class ModelRunner:
             if pl.csum is not None:
                 news.update({f"csum.{k}": t for k, t in pl.csum.items()})
             for name, t in news.items():
-                dst = sl[name]
-                if not (contiguous and t.data_ptr() == dst[idx].data_ptr()):  # not in place
-                    dst[idx] = t
+                if not (contiguous and t is got[name]):  # not updated in place in the pool
+                    sl[name][idx] = t
         for r, s in enumerate(seqs):
             s.num_computed_tokens += 1
             s.seg_len += 1

@@ -47,10 +47,28 @@ class Sequence:
     error: str | None = None
     top_k: int | None = None  # per-request ssc top_k (mc_top_k override)
     salt: bytes = b""  # prefix-hash salt: model + MC config (+ per-request MC overrides)
+    _table_cache: tuple | None = field(default=None, repr=False)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_id(self) -> int:
+        """The newest token (what decode feeds), without building ``all_ids``."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def table_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """``block_table`` as a long tensor on ``device``, rebuilt only when the table changed
+        (decode builds its block table from these every step; a 32K context holds 512 blocks,
+        and comparing two lists costs far less than making the tensor)."""
+        cached = self._table_cache
+        if (cached is None or cached[0] != self.block_table
+                or cached[1].device != torch.device(device)):
+            cached = (list(self.block_table),
+                      torch.tensor(self.block_table, dtype=torch.long, device=device))
+            self._table_cache = cached
+        return cached[1]
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.native import MCForCausalLM
 
 
@@ -65,7 +66,7 @@ class StateCache:
                 entries.update({f"csum.{key}": ls.mc.mem[key][0] for key in mc.family.readout_keys})
             self.slot.append({name: t.new_zeros((num_slots,) + t.shape)
                               for name, t in entries.items()})
-            block = {name: t.new_zeros((self.host_base,) + t.shape)
+            block = {name: cpu_ops.zeros((self.host_base,) + t.shape, t.dtype, t.device)
                      for name, t in entries.items() if name != "seg_ksum"}
             # key sums of device AND host blocks live on the device: the ssc router reads them
             block["ksum"] = ls.mc.seg_ksum.new_zeros((self.host_base + host_blocks,)

@@ -303,8 +303,36 @@ class Mamba2Block(nn.Module):
         return self._residual(x, h), state
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        fused = self._fused_decode(x, pl)
+        if fused is not None:
+            return fused
         return self._residual(x, self.mixer.forward_paged(
             self.norm(x.to(self.norm.weight.dtype)), pl))
+
+    def _fused_decode(self, x: Tensor, pl: PagedLayer) -> Tensor | None:
+        """The whole block for one token per row as one C++ call (``mamba2_block_decode_``)
+        when it applies: CPU float32 inference without MC (the plain SSM state), states writable
+        in place. ``None`` otherwise: the Python path, its twin."""
+        m = self.mixer
+        S = pl.mem.get("S")
+        if (m.memory.cfg.variant != "none" or not pl.inplace or torch.is_grad_enabled()
+                or not x.is_cpu or x.dtype != torch.float32 or x.shape[1] != 1
+                or S is None or S.dtype != torch.float32 or S.stride(-1) != 1
+                or S.stride(-2) != S.shape[-1] or pl.conv is None or pl.conv.stride(-1) != 1
+                or self.norm.weight.dtype != torch.float32 or cpu_ops.ops() is None):
+            return None
+        cfg = m.cfg
+        lo, hi = cfg.time_step_limit
+        d = lambda t: None if t is None else t.detach()  # noqa: E731
+        B = x.shape[0]
+        y = cpu_ops.ops().mamba2_block_decode_(
+            x.view(B, -1), d(self.norm.weight), self.norm.eps, d(m.in_proj.weight),
+            d(m.in_proj.bias), d(m.conv1d.weight)[:, 0], d(m.conv1d.bias), d(m.dt_bias),
+            d(m.A_log), lo, hi, d(m.D), None if m.norm is None else d(m.norm.weight),
+            m.norm.eps if m.norm is not None else 0.0,
+            m.norm.norm_before_gate if m.norm is not None else False,
+            d(m.out_proj.weight), d(m.out_proj.bias), m.H, m.P, m.N, m.G, S, pl.conv)
+        return y.view(x.shape)
 
 
 class Mamba2MCForCausalLM(RecurrentLM):

@@ -271,6 +271,24 @@ class Block(nn.Module):
     #: MC variants the one-call C++ block handles (kernels.cpu.native_block_decode_)
     _FUSED_VARIANTS = {"none": 0, "grm": 1, "soup": 1, "ssc": 2}
 
+    def _fused_weights(self) -> tuple:
+        """The block's weights and shape arguments of ``native_block_decode_`` (cached: looking
+        up a dozen module attributes costs more than the call's Python overhead otherwise)."""
+        mixer = self.mixer
+        w_in, b_in = mixer._decode_weights()  # validates the projection weights
+        cached = self.__dict__.get("_fused_args")
+        if cached is None or cached[1] is not w_in:
+            names = mixer.gate_names
+            args = (self.norm1.eps, self.norm1.weight.detach(), w_in, b_in,
+                    None if mixer.conv is None else mixer.conv.weight.detach()[:, 0],
+                    mixer.out_norm.weight.detach(), mixer.out_norm.eps,
+                    mixer.o_proj.weight.detach(), self.norm2.weight.detach(),
+                    self.mlp.up.weight.detach(), self.mlp.down.weight.detach(),
+                    mixer.H, mixer.K, mixer.u_proj is not None, "log_a" in names, "b" in names)
+            cached = (args, w_in)
+            self.__dict__["_fused_args"] = cached
+        return cached[0]
+
     def _fused_decode(self, x: Tensor, pl: PagedLayer) -> Tensor | None:
         """The whole block for one token per row as one C++ call (``native_block_decode_``),
         when it applies: CPU float32 inference on the gated linear memory, states writable in
@@ -285,15 +303,9 @@ class Block(nn.Module):
         S = pl.mem["S"]
         if S.stride(-1) != 1 or S.stride(-2) != S.shape[-1] or not pl.pool["S"].is_contiguous():
             return None
-        w_in, b_in = mixer._decode_weights()
-        names = mixer.gate_names
         B = x.shape[0]
         y = cpu_ops.ops().native_block_decode_(
-            x.view(B, -1), self.norm1.eps, self.norm1.weight, w_in, b_in,
-            None if mixer.conv is None else mixer.conv.weight[:, 0],
-            mixer.out_norm.weight, mixer.out_norm.eps, mixer.o_proj.weight,
-            self.norm2.weight, self.mlp.up.weight, self.mlp.down.weight,
-            mixer.H, mixer.K, mixer.u_proj is not None, "log_a" in names, "b" in names,
+            x.view(B, -1), *self._fused_weights(),
             S, pl.conv, pl.seg_ksum, pl.seg_len, pl.table, pl.pool["S"], pl.ksum_pool,
             mixer.cfg.segment_len, variant, mixer.cfg.mc_top_k, pl.top_k)
         return y.view(x.shape)

@@ -14,8 +14,10 @@ so callers never branch. ``tests/test_cpu_kernels.py`` compares each op with its
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import platform
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,14 +38,33 @@ _state: dict[str, object] = {}
 GEMV_MAX_ROWS = 2
 
 
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags: a ``-march=native`` build is
+    cached per CPU kind, so a home directory shared by different machines never loads a build
+    with instructions its CPU lacks."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "model name", "Features")):
+                    text += line
+                if line.strip() == "":  # the first processor is enough
+                    break
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+    name = "mcserve_cpu_ops_portable"
     if os.environ.get("MCSERVE_CPU_KERNELS_PORTABLE", "") != "1":
         flags.append("-march=native")  # built where it runs: use this CPU's vector width
+        name = f"mcserve_cpu_ops_{_cpu_tag()}"
     # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
-    return load(name="mcserve_cpu_ops", sources=[str(_SRC)], extra_cflags=flags,
+    return load(name=name, sources=[str(_SRC)], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -76,7 +97,7 @@ def ops():
                 why = "disabled by MCSERVE_CPU_KERNELS=0"
             else:
                 try:
-                    log.info("building mcserve CPU kernels (once per machine)")
+                    log.info("loading mcserve CPU kernels (built once per machine: ~1 min)")
                     mod = _build()
                 except Exception as e:  # no compiler / headers: the torch twins serve
                     why = f"build failed: {type(e).__name__}: {str(e).strip()[-300:]}"
@@ -174,3 +195,21 @@ def mc_step_readout_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor |
             or S.stride(-2) != S.shape[-1] or not pool.is_contiguous()):
         return twins.mc_step_readout_(S, q, k, v, log_a, b, w_on, pool, ids, w_c)
     return m.mc_step_readout_(S, q, k, v, log_a, b, w_on, pool, ids, w_c)
+
+
+#: pools at least this large go on huge pages (smaller ones would waste most of a 2 MiB page)
+HUGEPAGE_MIN_BYTES = 8 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """``torch.zeros``; on the CPU and from ``HUGEPAGE_MIN_BYTES`` on, on memory advised for
+    transparent huge pages (``zeros_hugepage``), which the decode step reads with far fewer TLB
+    misses. Same values, shape and dtype either way."""
+    m = ops()
+    numel = 1
+    for d in shape:
+        numel *= d
+    if (m is None or torch.device(device).type != "cpu"
+            or numel * torch.empty((), dtype=dtype).element_size() < HUGEPAGE_MIN_BYTES):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return m.zeros_hugepage(list(shape), dtype)

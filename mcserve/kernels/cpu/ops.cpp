@@ -9,7 +9,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -143,6 +147,35 @@ torch::Tensor linear_step_(torch::Tensor S, const torch::Tensor& q, const torch:
   return o;
 }
 
+// out[0:V] = Σ_m wts[m] · blocks[m]ᵀ q for nb blocks of (K, V) floats each (row stride V); the
+// output columns are held in registers (chunks of 64) across every block and row.
+inline void readout_row(const float* const* blocks, const float* wts, int64_t nb,
+                        const float* qv, int64_t K, int64_t V, float* out) {
+  constexpr int64_t kChunk = 64;
+  int64_t j0 = 0;
+  for (; j0 + kChunk <= V; j0 += kChunk) {
+    float acc[kChunk] = {};
+    for (int64_t m = 0; m < nb; ++m) {
+      const float* s = blocks[m] + j0;
+      const float wt = wts[m];
+      for (int64_t c = 0; c < K; ++c) {
+        const float f = wt * qv[c];
+        const float* row = s + c * V;
+#pragma omp simd
+        for (int64_t j = 0; j < kChunk; ++j) acc[j] += f * row[j];
+      }
+    }
+    for (int64_t j = 0; j < kChunk; ++j) out[j0 + j] += acc[j];
+  }
+  for (int64_t m = 0; m < nb && j0 < V; ++m) {  // the columns past the last full chunk
+    for (int64_t c = 0; c < K; ++c) {
+      const float f = wts[m] * qv[c];
+      const float* row = blocks[m] + c * V;
+      for (int64_t j = j0; j < V; ++j) out[j] += f * row[j];
+    }
+  }
+}
+
 // Σ_n w[b, n, h] · S[ids[b, n, h], h]ᵀ q[b, h] read from the block pool in place.
 // pool (NB, H, K, V) contiguous, ids (B, n, H) int64, q (B, H, K), w (B, n, H) → (B, H, V).
 torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
@@ -166,7 +199,6 @@ torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
   const int64_t w0 = w.stride(0), w1 = w.stride(1), w2 = w.stride(2);
   float* yp = y.data_ptr<float>();
   bool bad = false;
-  constexpr int64_t kChunk = 64;  // output columns held in registers across every block and row
   at::parallel_for(0, B * H, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> qv(K);
     std::vector<const float*> blocks(n);
@@ -183,29 +215,7 @@ torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
         blocks[nb] = P + (id * H + h) * K * V;
         wts[nb++] = wt;
       }
-      float* out = yp + r * V;
-      int64_t j0 = 0;
-      for (; j0 + kChunk <= V; j0 += kChunk) {
-        float acc[kChunk] = {};
-        for (int64_t m = 0; m < nb; ++m) {
-          const float* s = blocks[m] + j0;
-          const float wt = wts[m];
-          for (int64_t c = 0; c < K; ++c) {
-            const float f = wt * qv[c];
-            const float* row = s + c * V;
-#pragma omp simd
-            for (int64_t j = 0; j < kChunk; ++j) acc[j] += f * row[j];
-          }
-        }
-        for (int64_t j = 0; j < kChunk; ++j) out[j0 + j] = acc[j];
-      }
-      for (int64_t m = 0; m < nb && j0 < V; ++m) {  // the columns past the last full chunk
-        for (int64_t c = 0; c < K; ++c) {
-          const float f = wts[m] * qv[c];
-          const float* row = blocks[m] + c * V;
-          for (int64_t j = j0; j < V; ++j) out[j] += f * row[j];
-        }
-      }
+      readout_row(blocks.data(), wts.data(), nb, qv.data(), K, V, yp + r * V);
     }
   });
   TORCH_CHECK(!bad, "readout_paged: a block id is outside the pool");
@@ -359,35 +369,35 @@ torch::Tensor mc_scores_(torch::Tensor seg_ksum, const torch::Tensor& k, const t
   const int64_t t0 = table.stride(0), t1 = table.stride(1), l0 = seg_len.stride(0);
   const float rs = 1.f / std::sqrt(static_cast<float>(K));
   const float inf = std::numeric_limits<float>::infinity();
-  bool bad = false;
-  std::vector<float> uu(K);
+  for (int64_t b = 0; b < B; ++b)  // every id checked before seg_ksum changes
+    for (int64_t n = 0; n < N; ++n)
+      TORCH_CHECK(tp[b * t0 + n * t1] < NB, "mc_scores_: a block id is outside the pool");
+  std::vector<float> uu(H * K);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       float* cum = sp + b * s0 + h * s1;
+      float* uh = uu.data() + h * K;
       float on = 0.f;
       for (int64_t c = 0; c < K; ++c) {
-        uu[c] = up[b * u0 + h * u1 + c * u2];
+        uh[c] = up[b * u0 + h * u1 + c * u2];
         cum[c] += kp[b * k0 + h * k1 + c * k2];
-        on += uu[c] * cum[c];
+        on += uh[c] * cum[c];
       }
       rp[(b * (N + 1) + N) * H + h] = on * rs / static_cast<float>(lp[b * l0] + 1);
-      for (int64_t n = 0; n < N; ++n) {
-        const int64_t id = tp[b * t0 + n * t1];
-        float v = -inf;
-        if (id >= NB) {
-          bad = true;
-        } else if (id >= 0) {
-          const float* ks = P + (id * H + h) * K;
-          float d = 0.f;
-#pragma omp simd reduction(+ : d)
-          for (int64_t c = 0; c < K; ++c) d += uu[c] * ks[c];
-          v = d * rs / static_cast<float>(segment_len);
-        }
-        rp[(b * (N + 1) + n) * H + h] = v;
+    }
+    // block-major: each block's key sums (H·K floats) are one contiguous read
+    const float scale = rs / static_cast<float>(segment_len);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t id = tp[b * t0 + n * t1];
+      float* out = rp + (b * (N + 1) + n) * H;
+      if (id < 0) {
+        for (int64_t h = 0; h < H; ++h) out[h] = -inf;
+        continue;
       }
+      const float* ks = P + id * H * K;
+      for (int64_t h = 0; h < H; ++h) out[h] = dot(uu.data() + h * K, ks + h * K, K) * scale;
     }
   }
-  TORCH_CHECK(!bad, "mc_scores_: a block id is outside the pool");
   return r;
 }
 
@@ -519,43 +529,62 @@ torch::Tensor native_block_decode_(
         kb[b] = std::min<int64_t>(std::max<int64_t>(kk, 0), N);
       }
     }
-    const int64_t nmax = B ? *std::max_element(kb.begin(), kb.end()) : 0;
-    auto ids = torch::zeros({B, nmax, H}, table.options());
-    auto wc = torch::zeros({B, nmax, H}, x.options());
-    auto won = torch::empty({B, H}, x.options());
+    y = linear_step_(S, q, k, v, log_a, wb);  // (B, H, V) online readout
     const float* rp = r.data_ptr<float>();
     const int64_t* tp = table.data_ptr<int64_t>();
-    const int64_t t0 = table.stride(0), t1 = table.stride(1);
-    int64_t* ip = ids.data_ptr<int64_t>();
-    float* wp = wc.data_ptr<float>();
-    float* op = won.data_ptr<float>();
-    std::vector<int64_t> order(N);
+    const int64_t t0 = table.stride(0), t1 = table.stride(1), NB = pool.size(0);
+    TORCH_CHECK(pool.is_contiguous() && pool.size(1) == H && pool.size(2) == K &&
+                    pool.size(3) == K, "native_block_decode_: contiguous pool (NB, H, K, K)");
+    const float* P = pool.data_ptr<float>();
+    const float* qp = q.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    std::vector<float> sc(N);
+    std::vector<int64_t> pick;
+    std::vector<const float*> blocks;
+    std::vector<float> wts;
     for (int64_t b = 0; b < B; ++b) {
+      const int64_t kk = kb[b];
       for (int64_t hh = 0; hh < H; ++hh) {
-        auto score = [&](int64_t n) { return rp[(b * (N + 1) + n) * H + hh]; };
-        for (int64_t n = 0; n < N; ++n) order[n] = n;
-        const int64_t kk = kb[b];
-        if (variant == 2 && kk < N) {  // best scores first, ties to the more recent block
-          std::partial_sort(order.begin(), order.begin() + kk, order.end(),
-                            [&](int64_t a, int64_t c) {
-                              const float sa = score(a), sc = score(c);
-                              return sa > sc || (sa == sc && a > c);
-                            });
+        for (int64_t n = 0; n < N; ++n) sc[n] = rp[(b * (N + 1) + n) * H + hh];
+        const float s_on = rp[(b * (N + 1) + N) * H + hh];
+        pick.clear();
+        if (variant == 2 && kk < N) {
+          // top kk by score, ties to the more recent block: one scan keeping the best kk in
+          // descending order (n grows, so on a tie the newer block goes first)
+          for (int64_t n = 0; n < N; ++n) {
+            const float v = sc[n];
+            if (kk == 0 ||
+                (static_cast<int64_t>(pick.size()) == kk && !(v >= sc[pick.back()])))
+              continue;
+            auto pos = pick.begin();
+            while (pos != pick.end() && sc[*pos] > v) ++pos;
+            pick.insert(pos, n);
+            if (static_cast<int64_t>(pick.size()) > kk) pick.pop_back();
+          }
+        } else {
+          for (int64_t n = 0; n < N; ++n) pick.push_back(n);
         }
-        float mx = score(N);
-        for (int64_t j = 0; j < kk; ++j) mx = std::max(mx, score(order[j]));
-        float tot = std::exp(score(N) - mx);
-        for (int64_t j = 0; j < kk; ++j) tot += std::exp(score(order[j]) - mx);
-        op[b * H + hh] = std::exp(score(N) - mx) / tot;
-        for (int64_t j = 0; j < kk; ++j) {
-          const int64_t n = order[j];
+        float mx = s_on;
+        for (int64_t n : pick) mx = std::max(mx, sc[n]);
+        float tot = std::exp(s_on - mx);
+        for (int64_t n : pick) tot += std::exp(sc[n] - mx);
+        blocks.clear();
+        wts.clear();
+        for (int64_t n : pick) {
           const int64_t id = tp[b * t0 + n * t1];
-          ip[(b * nmax + j) * H + hh] = id < 0 ? 0 : id;
-          wp[(b * nmax + j) * H + hh] = std::exp(score(n) - mx) / tot;  // 0 for −inf (no block)
+          const float w = std::exp(sc[n] - mx) / tot;  // 0 for −inf (no block)
+          if (id < 0 || w == 0.f) continue;
+          TORCH_CHECK(id < NB, "native_block_decode_: a block id is outside the pool");
+          blocks.push_back(P + (id * H + hh) * K * K);
+          wts.push_back(w);
         }
+        float* out = yp + (b * H + hh) * K;
+        const float w_on = std::exp(s_on - mx) / tot;
+        for (int64_t c = 0; c < K; ++c) out[c] *= w_on;
+        readout_row(blocks.data(), wts.data(), static_cast<int64_t>(blocks.size()),
+                    qp + (b * H + hh) * K, K, K, out);
       }
     }
-    y = mc_step_readout_(S, q, k, v, log_a, wb, won, pool, ids, wc);
   }
   auto yn = rms_norm(y.reshape({B, HK}), out_norm_w, out_eps, K, g, true);
   auto x1 = xc + rows_linear(yn, W_o, c10::nullopt);
@@ -571,6 +600,94 @@ torch::Tensor native_block_decode_(
   return x1 + rows_linear(m, W_down, c10::nullopt);
 }
 
+// One decode token through a Mamba2 block (models/mamba2.py, no MC: the plain SSM state):
+// RMSNorm → in_proj → (z, xBC, dt) → causal conv + SiLU on xBC (tail in place) → Δ = softplus(dt
+// + dt_bias) clamped to [dt_min, dt_max] → S ← exp(Δ·A)·S + Δ·B xᵀ, y = Sᵀ C (in place) → + D·x
+// → gated RMSNorm (groups of d_inner / G) or y·silu(z) → out_proj → residual. x (B, D) → (B, D).
+// The Python path (Mamba2Block.forward_paged under kernels.cpu.twins_only()) is its twin.
+torch::Tensor mamba2_block_decode_(
+    const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const torch::Tensor& W_in,
+    const c10::optional<torch::Tensor>& b_in, const torch::Tensor& conv_w,
+    const c10::optional<torch::Tensor>& conv_b, const torch::Tensor& dt_bias,
+    const torch::Tensor& A_log, double dt_min, double dt_max, const torch::Tensor& Dskip,
+    const c10::optional<torch::Tensor>& gnorm_w, double gnorm_eps, bool norm_before_gate,
+    const torch::Tensor& W_out, const c10::optional<torch::Tensor>& b_out, int64_t H,
+    int64_t P, int64_t N, int64_t G, torch::Tensor S, torch::Tensor conv_tail) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "mamba2_block_decode_: x (B, D) expected");
+  TORCH_CHECK(G > 0 && H % G == 0, "mamba2_block_decode_: n_groups must divide n_heads");
+  const int64_t B = x.size(0), D = x.size(1), DI = H * P, CD = DI + 2 * G * N;
+  auto xc = x.contiguous();
+  auto zx = rows_linear(rms_norm(xc, norm_w, eps, D, c10::nullopt, false), W_in, b_in);
+  TORCH_CHECK(zx.size(1) == DI + CD + H, "mamba2_block_decode_: in_proj width mismatch");
+  auto z = zx.narrow(1, 0, DI);
+  auto xbc = conv_step_(conv_tail, zx.narrow(1, DI, CD), conv_w, conv_b, true);  // (B, CD)
+  auto xs = xbc.narrow(1, 0, DI).reshape({B, H, P});
+  auto k = at::repeat_interleave(xbc.narrow(1, DI, G * N).reshape({B, G, N}), H / G, 1);
+  auto q = at::repeat_interleave(xbc.narrow(1, DI + G * N, G * N).reshape({B, G, N}), H / G, 1);
+  auto delta = torch::empty({B, H}, x.options());
+  auto log_a = torch::empty({B, H}, x.options());
+  {
+    auto dt = zx.narrow(1, DI + CD, H).contiguous();
+    auto bias = dt_bias.contiguous();
+    auto al = A_log.contiguous();
+    const float *dp = dt.data_ptr<float>(), *bp = bias.data_ptr<float>(),
+                *ap = al.data_ptr<float>();
+    float *ep = delta.data_ptr<float>(), *lp = log_a.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float t = dp[b * H + h] + bp[h];
+        float d = t > 20.f ? t : std::log1p(std::exp(t));  // softplus (threshold 20, as torch)
+        d = std::min(std::max(d, static_cast<float>(dt_min)), static_cast<float>(dt_max));
+        ep[b * H + h] = d;
+        lp[b * H + h] = d * -std::exp(ap[h]);
+      }
+    }
+  }
+  auto y = linear_step_(S, q, k, xs, log_a, delta);  // (B, H, P)
+  {
+    auto dsk = Dskip.contiguous();
+    const bool per_channel = dsk.numel() == DI;
+    const float* dp = dsk.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const float* xp = xbc.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < DI; ++c)
+        yp[b * DI + c] += xp[b * CD + c] * dp[per_channel ? c : c / P];
+  }
+  torch::Tensor yn;
+  if (gnorm_w.has_value() && gnorm_w->defined()) {
+    yn = rms_norm(y.reshape({B, DI}), gnorm_w, gnorm_eps, DI / G, z, norm_before_gate);
+  } else {
+    yn = y.reshape({B, DI}) * at::silu(z);
+  }
+  return xc + rows_linear(yn, W_out, b_out);
+}
+
+// A zero-filled CPU tensor whose memory is 2 MiB-aligned and advised for transparent huge pages
+// (Linux MADV_HUGEPAGE; elsewhere a plain aligned allocation). Decode reads the block pool in
+// 16 KiB pieces scattered over hundreds of MiB: with 4 KiB pages nearly every piece misses the
+// TLB (the grm readout at 32K ran at 14 GB/s on 4 KiB pages and 18 GB/s on huge pages here).
+torch::Tensor zeros_hugepage(std::vector<int64_t> shape, torch::ScalarType dtype) {
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    TORCH_CHECK(d >= 0, "zeros_hugepage: negative dimension");
+    numel *= d;
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  constexpr size_t kAlign = size_t(2) << 20;
+  const size_t len = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, kAlign, len) == 0 && p, "zeros_hugepage: out of memory (",
+              len, " bytes)");
+#ifdef MADV_HUGEPAGE
+  madvise(p, len, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+#endif
+  std::memset(p, 0, bytes);
+  return torch::from_blob(p, shape, [](void* q) { std::free(q); },
+                          torch::TensorOptions().dtype(dtype).device(torch::kCPU));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x Wᵀ + bias for a few rows");
   m.def("linear_step_", &linear_step_, "one token of gated linear attention, in place");
@@ -580,4 +697,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mc_scores_", &mc_scores_, "MC routing scores of one token; seg_ksum += k in place");
   m.def("mc_step_readout_", &mc_step_readout_, "online step + weighted readout of pool blocks");
   m.def("native_block_decode_", &native_block_decode_, "one token through a native MC block");
+  m.def("mamba2_block_decode_", &mamba2_block_decode_, "one token through a Mamba2 block");
+  m.def("zeros_hugepage", &zeros_hugepage, "zeros on 2 MiB-aligned, huge-page-advised memory");
 }
