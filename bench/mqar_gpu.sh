@@ -4,8 +4,8 @@
 # (linear grm in independent mode, seed 0), all at once, one process per run.
 #
 #   OUT=/some/dir bash bench/mqar_gpu.sh        # T=256 grid: ~6.5 minutes on one H200, 16 cores
-#   OUT=/some/dir bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind on 3 seeds,
-#                                               # no loglinear): ~5 minutes
+#   OUT=/some/dir MAXMIN=5.3 bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind
+#                                               # on 3 seeds, no loglinear): ~4.5 minutes
 #
 # Tiny models are launch-bound: each process keeps one CPU core busy launching kernels, so the
 # runs share the GPU through CUDA MPS when the machine has it (kernels of different processes then
