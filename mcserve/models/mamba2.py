@@ -41,6 +41,7 @@ from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.native import LayerState, RecurrentLM
+from mcserve.models.packed_linear import is_packed
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
@@ -321,6 +322,8 @@ class Mamba2Block(nn.Module):
                 or S.stride(-2) != S.shape[-1] or pl.conv is None or pl.conv.stride(-1) != 1
                 or self.norm.weight.dtype != torch.float32 or cpu_ops.ops() is None):
             return None
+        if x.shape[0] > cpu_ops.GEMV_MAX_ROWS and (is_packed(m.in_proj) or is_packed(m.out_proj)):
+            return None  # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one
         cfg = m.cfg
         lo, hi = cfg.time_step_limit
         d = lambda t: None if t is None else t.detach()  # noqa: E731

@@ -22,6 +22,7 @@ from mcserve.config import ModelConfig
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
+from mcserve.models.packed_linear import is_packed
 
 
 def make_family(cfg: ModelConfig):
@@ -304,6 +305,9 @@ class Block(nn.Module):
         if S.stride(-1) != 1 or S.stride(-2) != S.shape[-1] or not pl.pool["S"].is_contiguous():
             return None
         B = x.shape[0]
+        if B > cpu_ops.GEMV_MAX_ROWS and any(
+                is_packed(lin) for lin in (mixer.o_proj, self.mlp.up, self.mlp.down)):
+            return None  # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one
         y = cpu_ops.ops().native_block_decode_(
             x.view(B, -1), *self._fused_weights(),
             S, pl.conv, pl.seg_ksum, pl.seg_len, pl.table, pl.pool["S"], pl.ksum_pool,
