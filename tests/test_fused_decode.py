@@ -21,9 +21,11 @@ pytestmark = pytest.mark.skipif(
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def generate(model, prompts, overrides=None):
-    eng = LLMEngine(EngineConfig(max_num_seqs=8, num_state_blocks=256, dtype="float32",
-                                 max_model_len=128, max_num_batched_tokens=64), model=model)
+def generate(model, prompts, overrides=None, **engine_kw):
+    kw = dict(max_num_seqs=8, num_state_blocks=256, dtype="float32", max_model_len=128,
+              max_num_batched_tokens=64)
+    kw.update(engine_kw)
+    eng = LLMEngine(EngineConfig(**kw), model=model)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), None, PARAMS, prompt_token_ids=p,
                         mc_overrides=(overrides or {}).get(i))
@@ -35,6 +37,7 @@ def generate(model, prompts, overrides=None):
                 out[int(o.request_id)] = (c.token_ids, [d[t] for d, t in
                                                         zip(c.logprobs, c.token_ids)])
     assert eng.cache.is_whole()
+    generate.last_engine = eng
     return [out[i] for i in range(len(prompts))]
 
 
@@ -111,4 +114,31 @@ def test_fused_mamba2_block_same_as_python_path(monkeypatch, groups, kw, n_promp
         want = generate(model, prompts)
     for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
         assert ids == ids_ref
+        assert max(abs(a - b) for a, b in zip(lps, lps_ref)) < 5e-4
+
+
+def test_fused_block_reads_host_tier_in_place(monkeypatch):
+    # more segments than the device pool holds: the fused block reads the host tier's blocks
+    # where they are; the Python path (twin) fetches its picks into staging rows
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=200, d_model=48, n_layers=2, n_heads=3, head_dim=16,
+                      mc_variant="ssc", mc_top_k=2, segment_len=4)
+    model = MCForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (60, 45, 7)]
+    small = dict(num_state_blocks=6, host_state_blocks=64, max_num_batched_tokens=16)
+    fused = []
+    real = native.Block._fused_decode
+    monkeypatch.setattr(native.Block, "_fused_decode",
+                        lambda self, x, pl: (lambda y: fused.append(
+                            (y is not None, pl.fetch is not None)) or y)(real(self, x, pl)))
+    got = generate(model, prompts, **small)
+    assert generate.last_engine.stats()["host_blocks_offloaded"] > 0
+    assert (True, True) in fused and all(ok for ok, _ in fused)  # host tier, fused
+    with cpu.twins_only():
+        want = generate(model, prompts, **small)
+        assert generate.last_engine.stats()["host_blocks_fetched"] > 0
+    full = generate(model, prompts)  # everything on the device
+    for (ids, lps), (ids_ref, lps_ref), (ids_full, _) in zip(got, want, full):
+        assert ids == ids_ref == ids_full
         assert max(abs(a - b) for a, b in zip(lps, lps_ref)) < 5e-4

@@ -274,6 +274,9 @@ class ModelRunner:
                 table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
                 fetch=partial(self.cache.fetch, li) if offloaded else None, top_k=top_k,
                 inplace=True,  # views of the pool, or gathered copies: writable either way
+                host_pool=({k: self.cache.host[li][f"mem.{k}"] for k in keys}
+                           if offloaded else None),
+                host_base=self.cache.host_base,
             ))
         tokens = torch.tensor([[s.last_id] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]

@@ -73,8 +73,9 @@ class StateCache:
                                                      + ls.mc.seg_ksum.shape[1:])
             self.block.append(block)
             pin = torch.device(block["ksum"].device).type == "cuda"
-            self.host.append({name: torch.zeros((host_blocks,) + t.shape[1:], dtype=t.dtype,
-                                                pin_memory=pin)
+            self.host.append({name: (torch.zeros((host_blocks,) + t.shape[1:], dtype=t.dtype,
+                                                 pin_memory=True) if pin else
+                                     cpu_ops.zeros((host_blocks,) + t.shape[1:], t.dtype, "cpu"))
                               for name, t in block.items() if name != "ksum"})
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))

@@ -219,6 +219,10 @@ class PagedLayer:
     top_k: Tensor | None = None  # (B,) per-row ssc top_k overrides; None = MCConfig.top_k
     # ``mem`` may be updated in place (it is a view of the engine's slot pool, or scratch)
     inplace: bool = False
+    # the host tier's rows of ``pool`` (ids from ``host_base`` on), for kernels that read host
+    # blocks in place instead of through ``fetch`` (the fused CPU block: both tiers are RAM)
+    host_pool: State | None = None
+    host_base: int = 0
 
 
 class MCMemory:

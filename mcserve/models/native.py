@@ -293,11 +293,18 @@ class Block(nn.Module):
     def _fused_decode(self, x: Tensor, pl: PagedLayer) -> Tensor | None:
         """The whole block for one token per row as one C++ call (``native_block_decode_``),
         when it applies: CPU float32 inference on the gated linear memory, states writable in
-        place, every cached block on the device. ``None`` otherwise (the Python path, its twin)."""
+        place; host-tier blocks are read from ``pl.host_pool`` in place. ``None`` otherwise (the
+        Python path, its twin, which fetches host blocks into staging rows)."""
         mixer = self.mixer
         variant = self._FUSED_VARIANTS.get(mixer.cfg.mc_variant)
-        if (variant is None or type(mixer.family) is not LinearMemory or not pl.inplace
-                or pl.fetch is not None or torch.is_grad_enabled() or not x.is_cpu
+        if variant is None or type(mixer.family) is not LinearMemory:
+            return None
+        host = None
+        if pl.fetch is not None:  # host-tier blocks: read in place on the CPU, if the pool is
+            host = (pl.host_pool or {}).get("S")  # given (else the Python path fetches them)
+            if host is None or not host.is_cpu or not host.is_contiguous():
+                return None
+        if (not pl.inplace or torch.is_grad_enabled() or not x.is_cpu
                 or x.dtype != torch.float32 or x.shape[1] != 1 or cpu_ops.ops() is None
                 or mixer.memory.cfg.mode not in ("checkpoint", "independent")):
             return None
@@ -311,7 +318,7 @@ class Block(nn.Module):
         y = cpu_ops.ops().native_block_decode_(
             x.view(B, -1), *self._fused_weights(),
             S, pl.conv, pl.seg_ksum, pl.seg_len, pl.table, pl.pool["S"], pl.ksum_pool,
-            mixer.cfg.segment_len, variant, mixer.cfg.mc_top_k, pl.top_k)
+            mixer.cfg.segment_len, variant, mixer.cfg.mc_top_k, pl.top_k, host, pl.host_base)
         return y.view(x.shape)
 
 

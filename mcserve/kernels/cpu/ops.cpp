@@ -447,7 +447,8 @@ torch::Tensor native_block_decode_(
     c10::optional<torch::Tensor> conv_tail, torch::Tensor seg_ksum, const torch::Tensor& seg_len,
     const torch::Tensor& table, const torch::Tensor& pool, const torch::Tensor& ksum_pool,
     int64_t segment_len, int64_t variant, int64_t top_k,
-    const c10::optional<torch::Tensor>& top_k_rows) {
+    const c10::optional<torch::Tensor>& top_k_rows,
+    const c10::optional<torch::Tensor>& host_pool, int64_t host_base) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "native_block_decode_: x (B, D) expected");
   TORCH_CHECK(variant >= 0 && variant <= 2, "native_block_decode_: variant 0/1/2 expected");
@@ -536,6 +537,18 @@ torch::Tensor native_block_decode_(
     TORCH_CHECK(pool.is_contiguous() && pool.size(1) == H && pool.size(2) == K &&
                     pool.size(3) == K, "native_block_decode_: contiguous pool (NB, H, K, K)");
     const float* P = pool.data_ptr<float>();
+    // host-tier blocks (ids >= host_base) are read where they are: on a CPU both tiers are RAM
+    const bool has_host = host_pool.has_value() && host_pool->defined();
+    const float* PH = nullptr;
+    int64_t NH = 0;
+    if (has_host) {
+      check_f32(*host_pool, "host_pool");
+      TORCH_CHECK(host_pool->is_contiguous() && host_pool->size(1) == H &&
+                      host_pool->size(2) == K && host_pool->size(3) == K && host_base >= NB,
+                  "native_block_decode_: contiguous host pool (NH, H, K, K) above the device's");
+      PH = host_pool->data_ptr<float>();
+      NH = host_pool->size(0);
+    }
     const float* qp = q.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     std::vector<float> sc(N);
@@ -574,8 +587,14 @@ torch::Tensor native_block_decode_(
           const int64_t id = tp[b * t0 + n * t1];
           const float w = std::exp(sc[n] - mx) / tot;  // 0 for −inf (no block)
           if (id < 0 || w == 0.f) continue;
-          TORCH_CHECK(id < NB, "native_block_decode_: a block id is outside the pool");
-          blocks.push_back(P + (id * H + hh) * K * K);
+          if (has_host && id >= host_base) {
+            TORCH_CHECK(id - host_base < NH, "native_block_decode_: a host block id is outside "
+                        "the host pool");
+            blocks.push_back(PH + ((id - host_base) * H + hh) * K * K);
+          } else {
+            TORCH_CHECK(id < NB, "native_block_decode_: a block id is outside the pool");
+            blocks.push_back(P + (id * H + hh) * K * K);
+          }
           wts.push_back(w);
         }
         float* out = yp + (b * H + hh) * K;
