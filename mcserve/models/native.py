@@ -305,8 +305,7 @@ class Block(nn.Module):
             if host is None or not host.is_cpu or not host.is_contiguous():
                 return None
         if (not pl.inplace or torch.is_grad_enabled() or not x.is_cpu
-                or x.dtype != torch.float32 or x.shape[1] != 1 or cpu_ops.ops() is None
-                or mixer.memory.cfg.mode not in ("checkpoint", "independent")):
+                or x.dtype != torch.float32 or x.shape[1] != 1 or cpu_ops.ops() is None):
             return None
         S = pl.mem["S"]
         if S.stride(-1) != 1 or S.stride(-2) != S.shape[-1] or not pl.pool["S"].is_contiguous():
