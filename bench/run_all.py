@@ -48,7 +48,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
-SCRIPTS = ["mc_layer", "offline", "serving", "long_context", "roofline"]
+SCRIPTS = ["mc_layer", "offline", "serving", "long_context", "roofline", "cpu_kernels"]
 NOT_BENCHMARKS = {"common", "run_all", "train", "prepare_data", "recall_common"}
 QUALITY = {"mqar", "niah", "ablations"}  # recall benchmarks: they train models; run alone
 

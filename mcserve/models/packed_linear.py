@@ -15,7 +15,8 @@ routes the layer's forward through it when it is safe:
 Inputs of one or two rows (batch-1 and batch-2 decode) take the C++ matrix-vector product of
 ``mcserve.kernels.cpu`` instead, for every linear of any size: oneDNN and torch's GEMM stream
 the weights at a third to a half of this machine's bandwidth for a single row (a 130M Mamba2's
-linears at one row: 7.1 ms through ``F.linear``, 4.4 ms packed, 3.1 ms C++, 2 threads).
+linears at one row: 38.5 ms through ``F.linear``, 34.9 ms packed, 22.9 ms C++, one thread,
+``python bench/cpu_kernels.py --threads 1``).
 
 Anything else takes ``F.linear``, the plain twin with the same signature
 (``tests/test_packed_linear.py`` compares the two). The packed copy doubles the weights' memory

@@ -1,0 +1,126 @@
+"""The C++ decode kernels (``mcserve/kernels/cpu``) against what they replace, on this CPU.
+
+Two measurements, each against its baseline in the same run (samples interleaved):
+
+* **matrix-vector products** for one and two rows over every linear weight of a model shape
+  (each weight a separate tensor, as in a model, so they stream from L3/DRAM rather than sit in
+  L1/L2): ``F.linear`` (torch's GEMM), oneDNN's packed weights (``models/packed_linear.py``) and
+  the C++ GEMV (``kernels.cpu.linear``); shapes of the default model (d 256, 4 layers, tied 4096
+  vocabulary head) and of the 130M Mamba2 (hidden 768, 24 layers, 50288 vocabulary);
+* **the MC block readout** (``readout_paged``: Σ_n w_n · S_nᵀ q over 512 cached 64 × 64 states
+  per head, 4 heads, 4 layers, as ``grm`` at 32K context), with the pools on ordinary 4 KiB pages
+  (``torch.zeros``) and on transparent huge pages (``kernels.cpu.zeros``).
+
+    python bench/cpu_kernels.py --threads 1     # about a minute
+    python bench/cpu_kernels.py --quick         # CI smoke (seconds)
+
+Prints tables and writes ``bench/results/cpu_kernels.json`` (``--quick``:
+``tmp_cpu_kernels_quick.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import env_info, env_line, fmt_time, print_table, set_threads, timeit_many  # noqa: E402
+
+from mcserve.kernels import cpu  # noqa: E402
+from mcserve.models import packed_linear  # noqa: E402
+
+SHAPES = {  # (out, in) of every linear weight of one decode step
+    "default (d256, 4 layers)": [(1288, 256), (256, 256), (1536, 256), (256, 768)] * 4
+    + [(4096, 256)],
+    "mamba2-130m (24 layers)": [(3352, 768), (768, 1536)] * 24 + [(50288, 768)],
+}
+
+
+def bench_gemv(name: str, shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(o, i, generator=g) for o, i in shapes]
+    packed = [packed_linear.pack_weight(w) for w in ws] if packed_linear.available() else None
+    xs = {i: torch.randn(rows, i, generator=g) for _, i in shapes}
+    fns = {"F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in ws]}
+    if packed is not None:
+        fns["oneDNN packed"] = lambda: [packed_linear.packed_linear(xs[w.shape[1]], p, None)
+                                        for w, p in zip(ws, packed)]
+    fns["C++ GEMV"] = lambda: [cpu.ops().gemv(xs[w.shape[1]], w, None) for w in ws]
+    t = timeit_many(fns, repeats=repeats, warmup=2, min_sample_s=0.02)
+    nbytes = sum(o * i * 4 for o, i in shapes)
+    return {"shape": name, "rows": rows, "weight_bytes": nbytes,
+            "results": {k: {**v, "gb_per_s": nbytes / v["median"] / 1e9} for k, v in t.items()}}
+
+
+def bench_readout(n_blocks: int, repeats: int) -> dict:
+    H, K, L = 4, 64, 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randperm(n_blocks + 8, generator=g)[:n_blocks].sort().values
+    ids = ids[None, :, None].expand(1, n_blocks, H).contiguous()
+    q = torch.randn(1, H, K, generator=g)
+    w = torch.rand(1, n_blocks, H, generator=g)
+    shape = (n_blocks + 8, H, K, K)
+    pools = {"4 KiB pages (torch.zeros)": [torch.zeros(shape) for _ in range(L)],
+             "huge pages (kernels.cpu.zeros)": [cpu.zeros(shape, torch.float32, "cpu")
+                                               for _ in range(L)]}
+    for ps in pools.values():
+        for p in ps:
+            p.normal_(generator=g)
+    fns = {name: (lambda ps=ps: [cpu.ops().readout_paged(p, ids, q, w) for p in ps])
+           for name, ps in pools.items()}
+    t = timeit_many(fns, repeats=repeats, warmup=2, min_sample_s=0.02)
+    nbytes = L * n_blocks * H * K * K * 4
+    return {"blocks_per_layer": n_blocks, "layers": L, "bytes": nbytes,
+            "results": {k: {**v, "gb_per_s": nbytes / v["median"] / 1e9} for k, v in t.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    threads = set_threads(args.threads)
+    if cpu.ops() is None:
+        print(f"C++ CPU kernels unavailable ({cpu.status()}): nothing to compare")
+        return 0
+    env = env_info()
+    print(env_line(env))
+    repeats = 3 if args.quick else args.repeats
+    shapes = ({"default (d256, 4 layers)": SHAPES["default (d256, 4 layers)"][:5]}
+              if args.quick else SHAPES)
+    gemv = [bench_gemv(name, s, rows, repeats) for name, s in shapes.items() for rows in (1, 2)]
+    rows = []
+    for r in gemv:
+        base = r["results"]["F.linear"]["median"]
+        for k, v in r["results"].items():
+            rows.append([r["shape"], r["rows"], k, fmt_time(v["median"]),
+                         f"{v['gb_per_s']:.1f}", f"{base / v['median']:.2f}x"])
+    print_table(rows, ["weights", "rows", "implementation", "median", "GB/s", "vs F.linear"],
+                title=f"\nmatrix-vector products over every weight of a decode step "
+                      f"({threads} threads)")
+    ro = bench_readout(32 if args.quick else 512, repeats)
+    base = ro["results"]["4 KiB pages (torch.zeros)"]["median"]
+    print_table([[k, fmt_time(v["median"]), f"{v['gb_per_s']:.1f}", f"{base / v['median']:.2f}x"]
+                 for k, v in ro["results"].items()],
+                ["block pool", "median", "GB/s", "vs 4 KiB pages"],
+                title=f"\nMC readout of {ro['blocks_per_layer']} cached states x 4 heads x "
+                      f"{ro['layers']} layers (grm at {ro['blocks_per_layer'] * 64} tokens)")
+    from common import write_json
+
+    out = {"bench": "cpu_kernels", "env": env, "threads": threads, "quick": args.quick,
+           "gemv": gemv, "readout": ro}
+    paths = write_json(out, "tmp_cpu_kernels_quick.json" if args.quick else "cpu_kernels.json",
+                       extra=args.out)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
