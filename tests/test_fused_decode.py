@@ -142,3 +142,30 @@ def test_fused_block_reads_host_tier_in_place(monkeypatch):
     for (ids, lps), (ids_ref, lps_ref), (ids_full, _) in zip(got, want, full):
         assert ids == ids_ref == ids_full
         assert max(abs(a - b) for a, b in zip(lps, lps_ref)) < 5e-4
+
+
+def test_fused_block_sees_weights_changed_after_first_decode():
+    # the fused block caches its argument tuple; an in-place update, a reassigned parameter
+    # and a round trip through .to() must all reach the next decode
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=200, d_model=48, n_layers=2, n_heads=3, head_dim=16,
+                      mc_variant="grm", segment_len=4)
+    model = MCForCausalLM(cfg).eval()
+    prompts = [[5, 7, 11, 13, 17, 19]]
+    generate(model, prompts)  # builds the caches
+
+    def same_as_python_path():
+        got = generate(model, prompts)
+        with cpu.twins_only():
+            want = generate(model, prompts)
+        assert got[0][0] == want[0][0]
+        assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 5e-4
+
+    with torch.no_grad():  # a reassigned parameter (the projections untouched)
+        model.layers[1].norm2.weight = torch.nn.Parameter(torch.randn(48) * 3)
+    same_as_python_path()
+    model.double().float()  # new storage for every weight, then an in-place update of it
+    with torch.no_grad():
+        model.layers[0].mlp.down.weight.mul_(5.0)
+        model.layers[1].mixer.out_norm.weight.mul_(-2.0)
+    same_as_python_path()

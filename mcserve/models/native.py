@@ -178,8 +178,9 @@ class MCMixer(nn.Module):
         """The projections of x (qkv, u, g, gates) stacked into one weight, so decode reads
         them with one matrix-vector product. Rebuilt when a source weight changes."""
         mods = [m for m in (self.qkv, self.u_proj, self.g_proj, self.gate_proj) if m is not None]
-        key = tuple((id(m.weight), None if m.weight.is_inference() else m.weight._version)
-                    for m in mods)
+        # data_ptr: a parameter moved by .to() keeps its id; _version: updated in place
+        key = tuple((id(m.weight), m.weight.data_ptr(),
+                     None if m.weight.is_inference() else m.weight._version) for m in mods)
         cached = self.__dict__.get("_decode_cat")
         if cached is None or cached[0] != key:
             w = torch.cat([m.weight.detach() for m in mods])
@@ -277,8 +278,14 @@ class Block(nn.Module):
         up a dozen module attributes costs more than the call's Python overhead otherwise)."""
         mixer = self.mixer
         w_in, b_in = mixer._decode_weights()  # validates the projection weights
+        # the other weights are passed as they are (in-place updates show through); a moved or
+        # reassigned one changes its storage, which the key sees
+        others = (self.norm1.weight, mixer.out_norm.weight, mixer.o_proj.weight,
+                  self.norm2.weight, self.mlp.up.weight, self.mlp.down.weight)
+        key = (id(w_in), *(t.data_ptr() for t in others),
+               None if mixer.conv is None else mixer.conv.weight.data_ptr())
         cached = self.__dict__.get("_fused_args")
-        if cached is None or cached[1] is not w_in:
+        if cached is None or cached[1] != key or cached[0][2] is not w_in:
             names = mixer.gate_names
             args = (self.norm1.eps, self.norm1.weight.detach(), w_in, b_in,
                     None if mixer.conv is None else mixer.conv.weight.detach()[:, 0],
@@ -286,7 +293,7 @@ class Block(nn.Module):
                     mixer.o_proj.weight.detach(), self.norm2.weight.detach(),
                     self.mlp.up.weight.detach(), self.mlp.down.weight.detach(),
                     mixer.H, mixer.K, mixer.u_proj is not None, "log_a" in names, "b" in names)
-            cached = (args, w_in)
+            cached = (args, key)
             self.__dict__["_fused_args"] = cached
         return cached[0]
 
