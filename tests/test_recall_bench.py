@@ -164,3 +164,74 @@ def test_mqar_head_dim_seeds_modes(tmp_path):
         assert set(v["acc"]) == {"none", "grm", "grm+ind"}
     again = mqar.main(["--plot-from", str(out), "--plot", str(tmp_path / "again.png")])
     assert len(again["results"]) == 8
+
+
+def test_niah_posthoc_settings_match_their_definitions():
+    """bench/niah.py's post-hoc rows: within one segment post-hoc MC and the segment reset are
+    the plain model; past it the reset restarts the memory (first C positions unchanged, later
+    ones not), and every QUALITY-NOTES.md setting plus its reset baseline is built."""
+    import niah
+
+    torch.manual_seed(0)
+    m = rc.build_model({"family": "linear", "variant": "none", "d_model": 64}).eval()
+    x = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        ref, _ = m(x)
+        sets = {s.name: s for s in niah.posthoc_settings(niah.POSTHOC, 16)}
+        assert set(sets) == {"post:8:independent", "post:16:independent", "post:32:independent",
+                             "post:16:checkpoint", "grm:16:checkpoint", "ssc:16:checkpoint:2",
+                             "reset:8", "reset:16", "reset:32"}
+        for name in ("post:16:independent", "post:16:checkpoint", "grm:16:checkpoint"):
+            out, _ = niah._Setting(m, sets[name])(x)
+            assert torch.allclose(out[:, :16], ref[:, :16], atol=1e-5), name
+            assert not torch.allclose(out[:, 20:], ref[:, 20:], atol=1e-4), name
+        out, _ = niah._Setting(m, sets["reset:16"])(x)
+        assert torch.allclose(out[:, :16], ref[:, :16], atol=1e-5)
+        assert not torch.allclose(out[:, 16:], ref[:, 16:], atol=1e-4)
+        long_reset = niah._Setting(m, niah.posthoc_settings("post:64", 64)[-1])
+        assert torch.allclose(long_reset(x)[0], ref, atol=1e-5)  # reset:64 never fires at T=40
+
+
+def test_niah_smoke(tmp_path):
+    import niah
+
+    out = tmp_path / "niah.json"
+    args = ["--variants", "none", "--no-attention", "--train-len", "32", "--lengths", "32", "48",
+            "--depths", "0.5", "--digits", "2", "--steps", "4", "--batch", "4", "--eval-n", "4"]
+    data = niah.main(args + ["--posthoc", "post:{T},grm:{T/2}", "--out", str(out),
+                             "--save-dir", str(tmp_path / "w")])
+    (r,) = data["results"]
+    assert "error" not in r, r.get("traceback")
+    assert set(r["posthoc"]) == {"post:32:independent", "grm:16:checkpoint", "reset:32",
+                                 "reset:16"}
+    for e in r["posthoc"].values():
+        assert set(e["acc"]) == {"32", "48"}
+    assert json.loads(out.read_text())["results"][0]["posthoc"].keys() == r["posthoc"].keys()
+    # the saved weights re-evaluate to the same numbers, under other settings too
+    again = niah.main(args + ["--posthoc", "ssc:{T}::1", "--out", str(tmp_path / "again.json"),
+                              "--load-dir", str(tmp_path / "w")])
+    (r2,) = again["results"]
+    assert r2["eval"]["acc"] == r["eval"]["acc"] and r2["loaded_from"].endswith(".pt")
+    assert set(r2["posthoc"]) == {"ssc:32:checkpoint:1", "reset:32"}
+    with pytest.raises(FileNotFoundError, match="--load-dir"):
+        niah.run_niah(dict(r2["spec"], load_dir=str(tmp_path / "nothing")))
+
+
+def test_niah_deep_memory_posthoc_segment_lengths():
+    """Deep memories update in inner chunks: post-hoc segments must be multiples of them, and
+    a bad --posthoc is refused before any training, naming the setting."""
+    import niah
+
+    spec = {"name": "dla/none/T24", "family": "dla", "variant": "none", "d_model": 64,
+            "train_len": 24, "posthoc": "post:{T}", "steps": 10_000, "lr": 1e-3, "seed": 0}
+    with pytest.raises(ValueError, match=r"post:24:independent.*inner_chunk \(16\)"):
+        niah.run_niah(spec)
+    torch.manual_seed(0)
+    m = rc.build_model({"family": "dla", "variant": "none", "d_model": 64}).eval()
+    (st, reset) = niah.posthoc_settings("post:{T}", 32)
+    x = torch.randint(0, 256, (1, 40))
+    with torch.no_grad():
+        ref, _ = m(x)
+        out, _ = niah._Setting(m, st)(x)
+    assert torch.allclose(out[:, :32], ref[:, :32], atol=1e-5)
+    assert reset.name == "reset:32"
