@@ -50,8 +50,10 @@ from mcserve.models.native import MCForCausalLM  # noqa: E402
 
 EVAL_SEED = 2_000_003
 # QUALITY-NOTES.md's set: post at 0.5x/1x/2x the training length (independent), post in
-# checkpoint mode, and the parameter-free grm and ssc (u = q, checkpoint mode)
-POSTHOC = "post:{T/2},post:{T},post:{2T},post:{T}:checkpoint,grm:{T},ssc:{T}:checkpoint:2"
+# checkpoint mode, and the parameter-free grm and ssc (u = q, checkpoint mode; ssc top-1 was
+# the best post-hoc setting in docs/does-it-work.md)
+POSTHOC = ("post:{T/2},post:{T},post:{2T},post:{T}:checkpoint,grm:{T},ssc:{T}:checkpoint:2,"
+           "ssc:{T}:checkpoint:1")
 
 
 def eval_grid(model: torch.nn.Module, spec: dict[str, Any], lengths: list[int]

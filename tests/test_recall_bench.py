@@ -180,6 +180,7 @@ def test_niah_posthoc_settings_match_their_definitions():
         sets = {s.name: s for s in niah.posthoc_settings(niah.POSTHOC, 16)}
         assert set(sets) == {"post:8:independent", "post:16:independent", "post:32:independent",
                              "post:16:checkpoint", "grm:16:checkpoint", "ssc:16:checkpoint:2",
+                             "ssc:16:checkpoint:1",
                              "reset:8", "reset:16", "reset:32"}
         for name in ("post:16:independent", "post:16:checkpoint", "grm:16:checkpoint"):
             out, _ = niah._Setting(m, sets[name])(x)
