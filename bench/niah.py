@@ -13,7 +13,7 @@ independent mode, at 1× in checkpoint mode, and parameter-free ``grm``/``ssc`` 
 the *segment reset* baseline ``reset:C`` for every segment length used (no MC, the memory
 restarts every C tokens): if MC does not beat that, the cached memories add nothing.
 
-    python bench/niah.py --quick          # smoke: linear none + grm, 2 lengths (< 3 min)
+    python bench/niah.py --quick          # smoke: linear none, 2 lengths (< 3 min)
     python bench/niah.py                  # the README numbers
     python bench/niah.py --families linear dla titans --lengths 256 512 1024 2048 4096
 
