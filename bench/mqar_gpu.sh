@@ -6,6 +6,8 @@
 #   OUT=/some/dir bash bench/mqar_gpu.sh        # T=256 grid: ~6.5 minutes on one H200, 16 cores
 #   OUT=/some/dir MAXMIN=5.3 bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind
 #                                               # on 3 seeds, no loglinear): ~4.5 minutes
+#   OUT=/some/dir MAXMIN=6.5 bash bench/mqar_gpu.sh coverage  # dla/titans T=64, d_model 128,
+#                                               # T=512; seed 0, 4000 steps: ~7 minutes
 #
 # Tiny models are launch-bound: each process keeps one CPU core busy launching kernels, so the
 # runs share the GPU through CUDA MPS when the machine has it (kernels of different processes then
@@ -41,6 +43,33 @@ fi
 echo "MPS=$MPS" | tee -a "$OUT/grid.log"
 
 GRID=${1:-t256}
+if [ "$GRID" = coverage ]; then
+  # The cells no earlier round covered, seed 0 each, three grids side by side (15 processes):
+  # dla/titans at the first round's T = 64 setting with 5x its steps, d_model 128 at the third
+  # round's T = 256 setting, and T = 512 (segments of 64: the same 8 segments as T = 256 / 32).
+  # Only the three result JSONs and grid.log stay under $OUT (a device call returns 8 files);
+  # the plots are redrawn with `python bench/mqar.py --plot-from FILE.json`.
+  STEPS=${STEPS:-4000}
+  DEV=(--device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds 0
+       --eval-n "${EVALN:-512}" --steps "$STEPS")
+  $PY bench/mqar.py "${DEV[@]}" --families dla titans --variants none grm ssc --deep-variants \
+      none grm ssc --d-models 64 --seq-lens 64 --pairs 4 8 16 --vocab 64 \
+      --segment-len 16 --top-k 1 --jobs 7 --out "$OUT/mqar_deep_t64.json" \
+      --plot "/tmp/mqar_deep_t64.png" --jsonl "/tmp/mqar_deep_t64.jsonl" > /tmp/deep.log 2>&1 &
+  $PY bench/mqar.py "${DEV[@]}" --families linear --variants none grm ssc --d-models 128 \
+      --seq-lens 256 --pairs 16 32 64 --vocab 256 --head-dim 16 --segment-len 32 --top-k 2 \
+      --jobs 4 --out "$OUT/mqar_d128_t256.json" --plot "/tmp/mqar_d128_t256.png" \
+      --jsonl "/tmp/mqar_d128_t256.jsonl" > "/tmp/d128.log" 2>&1 &
+  $PY bench/mqar.py "${DEV[@]}" --families linear --variants none grm ssc --d-models 64 \
+      --seq-lens 512 --pairs 16 32 64 --vocab 256 --head-dim 16 --segment-len 64 --top-k 2 \
+      --jobs 4 --out "$OUT/mqar_t512.json" --plot "/tmp/mqar_t512.png" \
+      --jsonl "/tmp/mqar_t512.jsonl" > "/tmp/t512.log" 2>&1 &
+  wait
+  for f in deep d128 t512; do grep -v " step " "/tmp/$f.log" | tail -n 25; done
+  [ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+  date -u +%FT%TZ | tee -a "$OUT/grid.log"
+  exit 0
+fi
 if [ "$GRID" = t128 ]; then
   COMMON=(--families linear --seq-lens 128 --pairs 8 16 32 --vocab 128 --head-dim 16
           --segment-len 32 --steps "${STEPS:-6000}" --variant-steps --device "$DEVICE"

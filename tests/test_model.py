@@ -144,3 +144,26 @@ def test_training_backward_through_cached_segments(memory, variant, batch):
     logits.square().mean().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("momentum_bias", [-10.0, 0.0, 2.0, 10.0], ids=lambda b: f"m{b:+g}")
+def test_titans_inner_loop_stays_bounded_at_any_gate(momentum_bias):
+    """Titans' memory is gradient descent with momentum: with the learning-rate gate saturated
+    and any momentum, a fresh model's memory must not blow up over a long sequence (it did,
+    to NaN, before the step was scaled by (1 - m)/inner_chunk; MQAR training then died)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, head_dim=32,
+                      memory="titans", mc_variant="none", segment_len=16, inner_chunk=16)
+    model = MCForCausalLM(cfg)
+    for layer in model.layers:
+        mixer = layer.mixer
+        bias = mixer.gate_proj.bias.data.view(len(mixer.gate_names), mixer.H)
+        bias[mixer.gate_names.index("eta")] = 10.0  # eta gate ~ 1: the largest step allowed
+        bias[mixer.gate_names.index("m")] = momentum_bias
+    with torch.no_grad():
+        w1_init = max(float(layer.mixer.w1_init.abs().max()) for layer in model.layers)
+        logits, state = model(torch.randint(0, 64, (2, 512)))
+    assert torch.isfinite(logits).all()
+    for layer_state in state.layers:
+        w1 = layer_state.mc.mem["W1"]
+        assert float(w1.abs().max()) < 4 * w1_init, "titans memory grew without bound"

@@ -147,10 +147,16 @@ class MCMixer(nn.Module):
             g = raw[:, :, i]
             if name == "log_a":
                 out[name] = F.logsigmoid(g) / 8.0  # a = sigmoid^(1/8): stays close to 1
-            elif name == "eta":
+            else:  # eta, b, c, a (titans), m
                 out[name] = torch.sigmoid(g)
-            else:  # b, c, a (titans), m
-                out[name] = torch.sigmoid(g)
+        if self.cfg.memory == "titans":
+            # Titans' inner loop is gradient descent with momentum on ||M(k) - v||^2, and every
+            # token of an inner chunk adds its gradient at the chunk's starting weights: with
+            # eta in (0, 1) the chunk's step is up to ~C/(1 - m) times one token's, which
+            # overshoots (the memory blows up to inf within a few chunks; training hit NaN in
+            # tens of steps). Scaling by (1 - m)/C bounds the chunk's step by about one
+            # token-sized step whatever the gates learn (the gates stay data-dependent).
+            out["eta"] = out["eta"] * (1.0 - out["m"]) / self.cfg.inner_chunk
         return out
 
     def _project(self, x: Tensor, conv_tail: Tensor | None):
