@@ -153,10 +153,11 @@ class MCMixer(nn.Module):
             # Titans' inner loop is gradient descent with momentum on ||M(k) - v||^2, and every
             # token of an inner chunk adds its gradient at the chunk's starting weights: with
             # eta in (0, 1) the chunk's step is up to ~C/(1 - m) times one token's, which
-            # overshoots (the memory blows up to inf within a few chunks; training hit NaN in
-            # tens of steps). Scaling by (1 - m)/C bounds the chunk's step by about one
-            # token-sized step whatever the gates learn (the gates stay data-dependent).
-            out["eta"] = out["eta"] * (1.0 - out["m"]) / self.cfg.inner_chunk
+            # overshoots (the memory blows up to inf within a few chunks; MQAR training hit NaN
+            # in tens of steps). (1 - m)/C bounds the chunk's step by one token's; 1/4 keeps that
+            # step below 1/curvature: for unit keys at init the loss's curvature is about
+            # 2||h||^2 + 2||W1 gelu'||^2 ~ 2 + 1 (with only /C, MQAR still hit NaN at step 347).
+            out["eta"] = out["eta"] * (1.0 - out["m"]) / (4 * self.cfg.inner_chunk)
         return out
 
     def _project(self, x: Tensor, conv_tail: Tensor | None):
