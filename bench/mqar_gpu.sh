@@ -50,7 +50,7 @@ if [ "$GRID" = coverage ]; then
   # Only the three result JSONs and grid.log stay under $OUT (a device call returns 8 files);
   # the plots are redrawn with `python bench/mqar.py --plot-from FILE.json`.
   STEPS=${STEPS:-4000}
-  DEV=(--device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds 0
+  DEV=(--device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds "${SEED:-0}"
        --eval-n "${EVALN:-512}" --steps "$STEPS")
   $PY bench/mqar.py "${DEV[@]}" --families dla titans --variants none grm ssc --deep-variants \
       none grm ssc --d-models 64 --seq-lens 64 --pairs 4 8 16 --vocab 64 \
