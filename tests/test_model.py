@@ -146,21 +146,19 @@ def test_training_backward_through_cached_segments(memory, variant, batch):
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("value_scale", [1.0, 30.0], ids=["v1", "v30"])
 @pytest.mark.parametrize("momentum_bias", [-10.0, 0.0, 2.0, 10.0], ids=lambda b: f"m{b:+g}")
-def test_titans_inner_loop_stays_bounded_at_any_gate(momentum_bias, value_scale):
-    """Titans' memory is gradient descent with momentum: with the learning-rate gate saturated,
-    any momentum and large projected values, a fresh model's memory must not blow up over a
-    long sequence (it did, to NaN, before the step was scaled by (1 - m)/(4 inner_chunk) and the
-    values normalised; MQAR training then died)."""
+def test_titans_inner_loop_stays_bounded_at_any_gate(momentum_bias):
+    """Titans' memory is gradient descent with momentum: with the learning-rate gate saturated
+    and any momentum, a fresh model's memory must not blow up over a long sequence (it did, to
+    NaN, before the step was scaled by (1 - m)/(4 inner_chunk); MQAR training then died within
+    tens of steps). Trained weights can still raise the curvature past the bound (see
+    docs/deep-memory.md)."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, head_dim=32,
                       memory="titans", mc_variant="none", segment_len=16, inner_chunk=16)
     model = MCForCausalLM(cfg)
     for layer in model.layers:
         mixer = layer.mixer
-        with torch.no_grad():  # the v rows of the fused q, k, v projection
-            mixer.qkv.weight[2 * mixer.H * mixer.K:] *= value_scale
         bias = mixer.gate_proj.bias.data.view(len(mixer.gate_names), mixer.H)
         bias[mixer.gate_names.index("eta")] = 10.0  # eta gate ~ 1: the largest step allowed
         bias[mixer.gate_names.index("m")] = momentum_bias

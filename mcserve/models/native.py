@@ -157,9 +157,9 @@ class MCMixer(nn.Module):
             # in tens of steps). (1 - m)/C bounds the chunk's step by one token's; 1/4 keeps that
             # step below 1/curvature: for unit keys at init the loss's curvature is about
             # 2||h||^2 + 2||W1 gelu'||^2 ~ 2 + 1 (with only /C, MQAR still hit NaN at step 347).
-            # The values are unit vectors (in _project) for the same reason: fitting large
-            # targets grows W1, and W2's curvature grows with ||W1||^2 (with /4C but raw v, 4 of
-            # 6 MQAR runs still diverged; W1 peaked 10x higher than with unit v).
+            # Not a bound for trained weights: the curvature grows with the learned W^init
+            # (spectral norms 1.5 / 3 at init reached 17 / 11 by step 1640 of an MQAR run, and
+            # that run's memory then blew up). docs/deep-memory.md, "Gates in the native model".
             out["eta"] = out["eta"] * (1.0 - out["m"]) / (4 * self.cfg.inner_chunk)
         return out
 
@@ -181,8 +181,6 @@ class MCMixer(nn.Module):
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)
-        if self.cfg.memory == "titans":
-            v = F.normalize(v, dim=-1)  # regression targets of unit norm: see _gate_acts
         u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
         return q, k, v, u, self.gates(x), conv_tail
 
@@ -224,8 +222,6 @@ class MCMixer(nn.Module):
         q, k, v = qkv.view(B, 1, 3, H, K).unbind(2)  # each (B, 1, H, K)
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)
-        if self.cfg.memory == "titans":
-            v = F.normalize(v, dim=-1)
         gates = self._gate_acts(parts[0].view(B, 1, -1, H)) if parts else {}
         return q, k, v, q if u is None else u, gates, g[:, None]
 
