@@ -158,8 +158,8 @@ class MCMixer(nn.Module):
             # step below 1/curvature: for unit keys at init the loss's curvature is about
             # 2||h||^2 + 2||W1 gelu'||^2 ~ 2 + 1 (with only /C, MQAR still hit NaN at step 347).
             # Not a bound for trained weights: the curvature grows with the learned W^init
-            # (spectral norms 1.5 / 3 at init reached 17 / 11 by step 1640 of an MQAR run, and
-            # that run's memory then blew up). docs/deep-memory.md, "Gates in the native model".
+            # (spectral norms 1.5 / 3 at init reached 17 / 11 by step 1640 of a logged MQAR run,
+            # whose memory then blew up). docs/deep-memory.md, "Gates in the native model".
             out["eta"] = out["eta"] * (1.0 - out["m"]) / (4 * self.cfg.inner_chunk)
         return out
 
