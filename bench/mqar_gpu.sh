@@ -7,7 +7,8 @@
 #   OUT=/some/dir MAXMIN=5.3 bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind
 #                                               # on 3 seeds, no loglinear): ~4.5 minutes
 #   OUT=/some/dir MAXMIN=6.5 bash bench/mqar_gpu.sh coverage  # dla/titans T=64, d_model 128,
-#                                               # T=512; seed 0, 4000 steps: ~7 minutes
+#                                               # T=512; seed $SEED (default 0), 4000 steps:
+#                                               # 5-6 minutes on one H100
 #
 # Tiny models are launch-bound: each process keeps one CPU core busy launching kernels, so the
 # runs share the GPU through CUDA MPS when the machine has it (kernels of different processes then
@@ -44,7 +45,8 @@ echo "MPS=$MPS" | tee -a "$OUT/grid.log"
 
 GRID=${1:-t256}
 if [ "$GRID" = coverage ]; then
-  # The cells no earlier round covered, seed 0 each, three grids side by side (15 processes):
+  # The cells no earlier round covered, one seed ($SEED, default 0), three grids side by side
+  # (15 processes):
   # dla/titans at the first round's T = 64 setting with 5x its steps, d_model 128 at the third
   # round's T = 256 setting, and T = 512 (segments of 64: the same 8 segments as T = 256 / 32).
   # Only the three result JSONs and grid.log stay under $OUT (a device call returns 8 files);
