@@ -102,7 +102,23 @@ def run_mqar(spec: dict[str, Any]) -> dict[str, Any]:
     print(f"[{time.strftime('%H:%M:%S')}] done {tag}: {res['eval']['acc']} "
           f"({res['train_s']} s train)", flush=True)
     return {"spec": spec, "params": sum(p.numel() for p in model.parameters()),
-            "state_floats": state_floats(model, spec["seq_len"]), **res}
+            "state_floats": state_floats(model, spec["seq_len"]), **res,
+            **winit_norms(model)}
+
+
+def winit_norms(model: torch.nn.Module) -> dict[str, Any]:
+    """Deep memories: the largest per-head spectral norm of each layer's learned W1^init and
+    W2^init after training (training grows them; docs/deep-memory.md)."""
+    out = []
+    with torch.no_grad():
+        for layer in getattr(model, "layers", []):
+            mixer = getattr(layer, "mixer", None)  # the attention baseline's blocks have none
+            if not hasattr(mixer, "w1_init"):
+                return {}
+            out.append([round(float(torch.linalg.matrix_norm(w.float(), ord=2).max()), 3)
+                        if torch.isfinite(w).all() else None  # a diverged run
+                        for w in (mixer.w1_init, mixer.w2_init)])
+    return {"winit_spectral": out} if out else {}
 
 
 # --------------------------------------------------------------------------- grid

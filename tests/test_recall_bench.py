@@ -139,6 +139,28 @@ def test_mqar_smoke(tmp_path):
     assert (tmp_path / "mqar.jsonl").exists()
 
 
+def test_mqar_records_deep_memory_init_norms():
+    """Deep-memory runs record W^init's spectral norms (how far training grew them); a diverged
+    run records None instead of failing; other families record nothing."""
+    import mqar
+
+    spec = {"family": "titans", "variant": "none", "d_model": 64, "vocab": 64,
+            "mc": {"segment_len": 16}}
+    m = rc.build_model(spec)
+    with torch.no_grad():
+        m.layers[0].mixer.w1_init[1] *= 5.0
+    rec = mqar.winit_norms(m)["winit_spectral"]
+    assert len(rec) == m.config.n_layers
+    w1 = m.layers[0].mixer.w1_init.detach()
+    assert rec[0][0] == pytest.approx(float(torch.linalg.matrix_norm(w1, ord=2).max()), abs=1e-3)
+    assert rec[0][0] > 4 * rec[1][0]  # the scaled head is the largest
+    with torch.no_grad():
+        m.layers[1].mixer.w2_init[0, 0, 0] = float("nan")
+    assert mqar.winit_norms(m)["winit_spectral"][1][1] is None
+    assert mqar.winit_norms(rc.build_model({"family": "linear", "variant": "none",
+                                            "d_model": 64})) == {}
+
+
 def test_mqar_head_dim_seeds_modes(tmp_path):
     """--head-dim, --seeds and --mc-modes: names, configs, the mean-over-seeds verdicts, and
     --plot-from redraws from the JSON alone."""
