@@ -127,6 +127,7 @@ def winit_norms(model: torch.nn.Module) -> dict[str, Any]:
 def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
     specs = []
     var_steps = dict(kv.split("=") for kv in a.variant_steps)
+    fam_lr = {k: float(v) for k, v in (kv.split("=") for kv in a.family_lr)}
     hd = f"k{a.head_dim}" if a.head_dim != 32 else ""
     for seed, d, T in ((s, d, T) for s in (a.seeds or [a.seed]) for d in a.d_models
                        for T in a.seq_lens):
@@ -162,7 +163,8 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                 tag = "+ind" if mc.get("mc_mode") == "independent" else ""
                 name = f"{fam}/{v}{tag}/d{d}{hd}/T{T}/s{seed}"
                 specs.append(dict(base, name=name, family=fam, variant=v, mc=mc, steps=steps,
-                                  eval_at=[every, 2 * every, 3 * every]))
+                                  eval_at=[every, 2 * every, 3 * every],
+                                  lr=fam_lr.get(fam, a.lr)))
                 if v == "loglinear" and "grm" in a.variants:
                     # loglinear is trained on a smaller budget (its forward is a per-token loop):
                     # add grm on that same budget so that the comparison is like for like
@@ -315,7 +317,7 @@ def plot(results: list[dict[str, Any]], path: str) -> str | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke: linear/grm, vocab 64, T 64, 4 pairs, 300 steps; "
@@ -345,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="step counts per family/variant, variant or family, e.g. "
                          "loglinear=200 dla=300 dla/grm=400 (most specific wins)")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--family-lr", nargs="*", default=[],
+                    help="learning rate per family, e.g. titans=3e-3 (titans diverges at the "
+                         "default 1e-2 on some seeds: docs/deep-memory.md)")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -370,7 +375,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--resume", action="store_true", help="skip runs already in --jsonl")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/mqar.json)")
     ap.add_argument("--plot", default=None, help="PNG path (default next to --out)")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
     if a.plot_from:
         import json
 

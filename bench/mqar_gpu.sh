@@ -6,6 +6,8 @@
 #   OUT=/some/dir bash bench/mqar_gpu.sh        # T=256 grid: ~6.5 minutes on one H200, 16 cores
 #   OUT=/some/dir MAXMIN=5.3 bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind
 #                                               # on 3 seeds, no loglinear): ~4.5 minutes
+#   OUT=/some/dir MAXMIN=6.5 bash bench/mqar_gpu.sh titans    # titans T=64, lr 3e-3 and 1e-2,
+#                                               # seeds 0-2, 18 processes (not yet run)
 #   OUT=/some/dir MAXMIN=6.5 bash bench/mqar_gpu.sh coverage  # dla/titans T=64, d_model 128,
 #                                               # T=512; seed $SEED (default 0), 4000 steps:
 #                                               # 5-6 minutes on one H100
@@ -68,6 +70,25 @@ if [ "$GRID" = coverage ]; then
       --jsonl "/tmp/mqar_t512.jsonl" > "/tmp/t512.log" 2>&1 &
   wait
   for f in deep d128 t512; do grep -v " step " "/tmp/$f.log" | tail -n 25; done
+  [ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+  date -u +%FT%TZ | tee -a "$OUT/grid.log"
+  exit 0
+fi
+if [ "$GRID" = titans ]; then
+  # titans at T = 64 (the coverage grid's deep cells): none/grm/ssc x seeds 0-2 at the outer
+  # learning rate $TLR (default 3e-3, which trained the CPU reruns of diverged specs) and, in
+  # the same call, at the default 1e-2 (4 of 6 diverged in the fifth round): 18 processes.
+  STEPS=${STEPS:-4000}
+  for LR in "${TLR:-3e-3}" 1e-2; do
+    $PY bench/mqar.py --device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds 0 1 2 \
+        --eval-n "${EVALN:-512}" --steps "$STEPS" --no-attention --families titans \
+        --deep-variants none grm ssc --d-models 64 --seq-lens 64 --pairs 4 8 16 --vocab 64 \
+        --segment-len 16 --top-k 1 --family-lr "titans=$LR" --jobs 9 \
+        --out "$OUT/mqar_titans_lr$LR.json" --plot "/tmp/mqar_titans_lr$LR.png" \
+        --jsonl "/tmp/mqar_titans_lr$LR.jsonl" > "/tmp/titans_$LR.log" 2>&1 &
+  done
+  wait
+  for LR in "${TLR:-3e-3}" 1e-2; do grep -v " step " "/tmp/titans_$LR.log" | tail -n 12; done
   [ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
   date -u +%FT%TZ | tee -a "$OUT/grid.log"
   exit 0

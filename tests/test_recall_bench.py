@@ -181,6 +181,10 @@ def test_mqar_head_dim_seeds_modes(tmp_path):
         assert "error" not in r, r.get("traceback")
     ind = [r for r in data["results"] if "+ind" in r["spec"]["name"]]
     assert all(r["spec"]["mc"]["mc_mode"] == "independent" for r in ind)
+    specs = mqar.make_specs(mqar.parse_args(["--families", "linear", "titans", "--variants", "none",
+                                             "--family-lr", "titans=3e-3", "--lr", "0.01"]))
+    assert {s["family"]: s["lr"] for s in specs} == {"attention": 0.01, "linear": 0.01,
+                                                     "titans": 3e-3}
     v = data["targets"]["d64/T32/linear/k16"]
     if "acc" in v:  # only when attention reached 90% (not in 3 steps)
         assert set(v["acc"]) == {"none", "grm", "grm+ind"}
