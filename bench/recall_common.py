@@ -413,13 +413,13 @@ def run_many(fn: Callable[[dict[str, Any]], dict[str, Any]], specs: list[dict[st
              start_method: str = "fork") -> list[dict[str, Any]]:
     """Run ``fn(spec)`` for every spec (``jobs`` processes, ``threads`` torch threads each);
     each result is appended to ``jsonl`` when it finishes. With ``resume`` the specs already in
-    ``jsonl`` are not run again. Returns the results in spec order. Use ``start_method``
-    "spawn" for CUDA runs (a forked child cannot use CUDA once the parent has)."""
+    ``jsonl`` are not run again; without it they are run again and the newest line of a name
+    wins. Lines of other specs are kept either way, so several invocations can share one file.
+    Returns the results in spec order. Use ``start_method`` "spawn" for CUDA runs (a forked
+    child cannot use CUDA once the parent has)."""
     jsonl = Path(jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     done = load_done(jsonl) if resume else {}
-    if not resume and jsonl.exists():
-        jsonl.unlink()
     todo = [s for s in specs if spec_key(s) not in done]
     args = [(fn, s, str(jsonl), threads) for s in todo]
     if jobs <= 1 or len(todo) <= 1:

@@ -161,6 +161,24 @@ def test_mqar_records_deep_memory_init_norms():
                                             "d_model": 64})) == {}
 
 
+def _fake_run(spec):
+    return {"spec": spec, "value": spec["value"]}
+
+
+def test_run_many_keeps_other_invocations_results(tmp_path):
+    """Two invocations sharing one --jsonl (e.g. two runs started side by side) must not lose
+    each other's finished runs; a spec run again without --resume is rerun, the newest wins."""
+    jsonl = tmp_path / "runs.jsonl"
+    rc.run_many(_fake_run, [{"name": "a", "value": 1}], jsonl)
+    rc.run_many(_fake_run, [{"name": "b", "value": 2}], jsonl)
+    again = rc.run_many(_fake_run, [{"name": "a", "value": 3}], jsonl)
+    assert [r["value"] for r in again] == [3]
+    assert {k: r["value"] for k, r in rc.load_done(jsonl).items()} == {"a": 3, "b": 2}
+    kept = rc.run_many(_fake_run, [{"name": "a", "value": 4}, {"name": "b", "value": 5}], jsonl,
+                       resume=True)
+    assert [r["value"] for r in kept] == [3, 2]  # nothing rerun
+
+
 def test_mqar_head_dim_seeds_modes(tmp_path):
     """--head-dim, --seeds and --mc-modes: names, configs, the mean-over-seeds verdicts, and
     --plot-from redraws from the JSON alone."""
