@@ -203,6 +203,9 @@ def test_mqar_head_dim_seeds_modes(tmp_path):
                                              "--family-lr", "titans=3e-3", "--lr", "0.01"]))
     assert {s["family"]: s["lr"] for s in specs} == {"attention": 0.01, "linear": 0.01,
                                                      "titans": 3e-3}
+    for bad in ("titans", "titan=3e-3", "titans=fast", "titans=-1"):
+        with pytest.raises(ValueError, match="--family-lr"):
+            mqar.make_specs(mqar.parse_args(["--family-lr", bad]))
     v = data["targets"]["d64/T32/linear/k16"]
     if "acc" in v:  # only when attention reached 90% (not in 3 steps)
         assert set(v["acc"]) == {"none", "grm", "grm+ind"}
