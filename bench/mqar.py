@@ -131,12 +131,13 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
     for kv in a.family_lr:
         fam, _, lr = kv.partition("=")
         try:
-            fam_lr[fam] = float(lr)
+            value = float(lr)
         except ValueError:
-            fam_lr[fam] = None
-        if fam not in MEMORIES or fam_lr[fam] is None or not fam_lr[fam] > 0:
+            value = float("nan")
+        if fam not in MEMORIES or not value > 0:
             raise ValueError(f"--family-lr: expected FAMILY=LR with FAMILY one of {MEMORIES} "
                              f"and LR > 0, got {kv!r}")
+        fam_lr[fam] = value
     hd = f"k{a.head_dim}" if a.head_dim != 32 else ""
     for seed, d, T in ((s, d, T) for s in (a.seeds or [a.seed]) for d in a.d_models
                        for T in a.seq_lens):

@@ -157,9 +157,10 @@ class MCMixer(nn.Module):
             # in tens of steps). (1 - m)/C bounds the chunk's step by one token's; 1/4 keeps that
             # step below 1/curvature: for unit keys at init the loss's curvature is about
             # 2||h||^2 + 2||W1 gelu'||^2 ~ 2 + 1 (with only /C, MQAR still hit NaN at step 347).
-            # Not a bound for trained weights: the curvature grows with the learned W^init
-            # (spectral norms 1.5 / 3 at init reached 17 / 11 by step 1640 of a logged MQAR run,
-            # whose memory then blew up). docs/deep-memory.md, "Gates in the native model".
+            # Not a bound for trained weights: training W^init raises the curvature, and at an
+            # outer learning rate of 1e-2 4 of 6 MQAR runs still blew up (none at 3e-3; step
+            # limits on the inner update stopped the learning). docs/deep-memory.md, "Gates in
+            # the native model".
             out["eta"] = out["eta"] * (1.0 - out["m"]) / (4 * self.cfg.inner_chunk)
         return out
 
