@@ -23,6 +23,7 @@ Writes ``bench/results/niah.json`` (or ``--out``) and prints exact-match accurac
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import sys
 import time
@@ -107,6 +108,16 @@ def _weights_path(folder: str | None, name: str, must_exist: bool = True) -> Pat
     return path
 
 
+def _in_eval_dtype(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
+    """The model to evaluate: itself, or a copy in ``spec["eval_dtype"]`` (float64 tells a
+    model's own limits from float32 overflow: a state that grows without bound overflows float32
+    long before the model stops working, see docs/does-it-work.md, seventh round)."""
+    dtype = getattr(torch, spec.get("eval_dtype", "float32"))
+    if dtype == next(model.parameters()).dtype:
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
 def run_niah(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(spec["seed"])
     model = build_model(spec)
@@ -119,7 +130,7 @@ def run_niah(spec: dict[str, Any]) -> dict[str, Any]:
     def evaluate(m, final: bool) -> dict[str, Any]:
         if not final:
             return {"acc": eval_grid(m, dict(spec, eval_n=16), [T0])}
-        return {"acc": eval_grid(m, spec, spec["lengths"])}
+        return {"acc": eval_grid(_in_eval_dtype(m, spec), spec, spec["lengths"])}
 
     settings = []
     if spec["family"] != "attention" and spec["variant"] == "none":
@@ -148,7 +159,7 @@ def run_niah(spec: dict[str, Any]) -> dict[str, Any]:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"state_dict": model.state_dict(), "steps_done": res["steps_done"]}, out)
     extra = {}
-    model.eval()
+    model = _in_eval_dtype(model.eval(), spec)
     for st in settings:
         extra[st.name] = {"setting": st.to_dict(),
                           "acc": eval_grid(_Setting(model, st), spec, spec["lengths"])}
@@ -161,7 +172,7 @@ def run_niah(spec: dict[str, Any]) -> dict[str, Any]:
 def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
     base = dict(d_model=a.d_model, train_len=a.train_len, lengths=a.lengths, depths=a.depths,
                 n_digits=a.digits, batch=a.batch, lr=a.lr, seed=a.seed, eval_n=a.eval_n,
-                steps=a.steps, vocab=256, posthoc=a.posthoc,
+                steps=a.steps, vocab=256, posthoc=a.posthoc, eval_dtype=a.eval_dtype,
                 save_dir=a.save_dir, load_dir=a.load_dir,
                 max_seconds=a.max_minutes * 60 if a.max_minutes else None)
     specs = []
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--load-dir", default=None,
                     help="evaluate the weights --save-dir wrote instead of training")
     ap.add_argument("--eval-n", type=int, default=40, help="examples per (length, depth)")
+    ap.add_argument("--eval-dtype", choices=["float32", "float64"], default="float32",
+                    help="dtype of the final evaluation (training is float32)")
     ap.add_argument("--max-minutes", type=float, default=None)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)

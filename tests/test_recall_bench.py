@@ -283,3 +283,67 @@ def test_niah_deep_memory_posthoc_segment_lengths():
         out, _ = niah._Setting(m, st)(x)
     assert torch.allclose(out[:, :32], ref[:, :32], atol=1e-5)
     assert reset.name == "reset:32"
+
+
+def test_niah_eval_dtype_float64_copies_the_model(capsys):
+    """--eval-dtype float64 evaluates a float64 copy (the trained model, its saved weights and
+    training stay float32) whose logits match float32's on a short input; an unknown dtype is
+    refused by the parser, naming the flag."""
+    import niah
+
+    torch.manual_seed(0)
+    m = rc.build_model({"family": "dla", "variant": "none", "d_model": 64}).eval()
+    assert niah._in_eval_dtype(m, {}) is m
+    m64 = niah._in_eval_dtype(m, {"eval_dtype": "float64"})
+    assert m64 is not m and next(m64.parameters()).dtype == torch.float64
+    assert next(m.parameters()).dtype == torch.float32
+    x = torch.randint(0, 256, (2, 37))
+    with torch.no_grad():
+        ref, _ = m(x)
+        out, _ = m64(x)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out.float(), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(SystemExit):
+        niah.main(["--eval-dtype", "float16"])
+    assert "--eval-dtype" in capsys.readouterr().err
+
+
+def test_niah_eval_dtype_runs_end_to_end(tmp_path):
+    import niah
+
+    args = ["--families", "dla", "--variants", "none", "--no-attention", "--train-len", "32",
+            "--lengths", "32", "64", "--depths", "0.5", "--digits", "2", "--steps", "3",
+            "--batch", "4", "--eval-n", "4", "--posthoc", "post:{T}", "--eval-dtype", "float64",
+            "--out", str(tmp_path / "n.json")]
+    (r,) = niah.main(args)["results"]
+    assert "error" not in r, r.get("traceback")
+    assert r["spec"]["eval_dtype"] == "float64"
+    assert set(r["eval"]["acc"]) == {"32", "64"}
+    assert set(r["posthoc"]["post:32:independent"]["acc"]) == {"32", "64"}
+
+
+def test_state_growth_reads_niah_weights(tmp_path):
+    """bench/state_growth.py measures the online memory of niah.py's saved models: one value
+    per --every tokens for each memory tensor of each layer, finite for a fresh tiny model."""
+    import niah
+    import state_growth
+
+    jsonl = tmp_path / "n.jsonl"
+    niah.main(["--families", "dla", "--variants", "none", "--no-attention", "--train-len", "32",
+               "--lengths", "32", "--depths", "0.5", "--digits", "2", "--steps", "2",
+               "--batch", "4", "--eval-n", "2", "--posthoc", "", "--out",
+               str(tmp_path / "n.json"), "--jsonl", str(jsonl), "--save-dir", str(tmp_path / "w")])
+    data = state_growth.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
+                              "--length", "64", "--every", "32", "--batch", "2",
+                              "--out", str(tmp_path / "g.json")])
+    (r,) = data["results"]
+    assert r["name"] == "dla/none/T32" and data["tokens"] == [32, 64]
+    assert set(r["max_abs"]) == {"L0.W1", "L0.W2", "L1.W1", "L1.W2"}
+    assert all(len(v) == 2 and all(x is not None and x > 0 for x in v)
+               for v in r["max_abs"].values())
+    with pytest.raises(ValueError, match="--length"):
+        state_growth.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
+                           "--length", "50", "--every", "32"])
+    with pytest.raises(ValueError, match="--names"):
+        state_growth.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
+                           "--names", "dla/grm/T32"])
