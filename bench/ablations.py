@@ -41,7 +41,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import env_info, env_line, print_table, write_json  # noqa: E402
+from common import env_info, env_line, print_table, results_path, write_json  # noqa: E402
 from mqar import run_mqar  # noqa: E402
 from recall_common import run_many  # noqa: E402
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = make_specs(a)
     if a.only:
         specs = [s for s in specs if any(fnmatch.fnmatchcase(s["name"], o) for o in a.only)]
-    out_path = write_json({}, out)[0]
+    out_path = results_path(out)
     jsonl = a.jsonl or str(out_path.with_suffix(".jsonl"))
     env = env_info()
     print(env_line(env))

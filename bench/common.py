@@ -193,6 +193,14 @@ def env_line(env: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- results
 
 
+def results_path(name: str | os.PathLike) -> Path:
+    """Where :func:`write_json` writes ``name``: ``bench/results/<name>`` for a bare file name,
+    ``name`` itself for a path. Writes nothing (a long run must not clobber the file it will
+    replace before it has something to put there)."""
+    p = Path(name)
+    return RESULTS_DIR / p if p.parent == Path(".") else p
+
+
 def write_json(data: Any, name: str | os.PathLike, *, extra: str | os.PathLike | None = None
                ) -> list[Path]:
     """Write ``data`` as JSON to ``bench/results/<name>`` (a bare file name) or to ``name`` when
@@ -201,9 +209,7 @@ def write_json(data: Any, name: str | os.PathLike, *, extra: str | os.PathLike |
     for p in (name, extra):
         if p is None:
             continue
-        p = Path(p)
-        if p.parent == Path("."):
-            p = RESULTS_DIR / p
+        p = results_path(p)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
         paths.append(p)

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import env_info, env_line, print_table, write_json  # noqa: E402
+from common import env_info, env_line, print_table, results_path, write_json  # noqa: E402
 from recall_common import (  # noqa: E402
     answer_accuracy,
     build_model,
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = make_specs(a)
     if a.only:
         specs = [s for s in specs if any(fnmatch.fnmatchcase(s["name"], o) for o in a.only)]
-    jsonl = a.jsonl or str(Path(write_json({}, out)[0]).with_suffix(".jsonl"))
+    jsonl = a.jsonl or str(results_path(out).with_suffix(".jsonl"))
     env = env_info()
     print(env_line(env))
     print(f"{len(specs)} runs, {a.jobs} at a time: " + ", ".join(s["name"] for s in specs))
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        start_method="fork" if a.device == "cpu" else "spawn")
     wall = time.perf_counter() - t0
     verdicts = summarize(results)
-    png = plot(results, a.plot or str(Path(write_json({}, out)[0]).with_suffix(".png")))
+    png = plot(results, a.plot or str(results_path(out).with_suffix(".png")))
     data = {"bench": "mqar", "env": env, "args": vars(a), "wall_s": round(wall, 1),
             "targets": verdicts, "plot": png, "results": results}
     paths = write_json(data, out)

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import env_info, env_line, print_table, write_json  # noqa: E402
+from common import env_info, env_line, print_table, results_path, write_json  # noqa: E402
 from recall_common import (  # noqa: E402
     answer_accuracy,
     build_model,
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = make_specs(a)
     if a.only:
         specs = [s for s in specs if any(fnmatch.fnmatchcase(s["name"], o) for o in a.only)]
-    out_path = write_json({}, out)[0]
+    out_path = results_path(out)
     jsonl = a.jsonl or str(out_path.with_suffix(".jsonl"))
     env = env_info()
     print(env_line(env))

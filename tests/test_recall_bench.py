@@ -347,3 +347,29 @@ def test_state_growth_reads_niah_weights(tmp_path):
     with pytest.raises(ValueError, match="--names"):
         state_growth.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
                            "--names", "dla/grm/T32"])
+
+
+def test_results_are_not_clobbered_while_a_run_is_going(tmp_path, monkeypatch):
+    """A long recall run replaces its --out only when it finishes: killed half way, the previous
+    results are still there (the scripts used to write {} there first to resolve the path)."""
+    import common
+    import niah
+
+    assert common.results_path("x.json") == common.RESULTS_DIR / "x.json"
+    assert not (common.RESULTS_DIR / "x.json").exists()
+    assert common.results_path(tmp_path / "y.json") == tmp_path / "y.json"
+    out = tmp_path / "niah.json"
+    out.write_text('{"previous": true}\n')
+    seen = []
+    real = niah.run_many
+
+    def spy(*args, **kwargs):
+        seen.append(json.loads(out.read_text()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(niah, "run_many", spy)
+    niah.main(["--variants", "none", "--no-attention", "--train-len", "32", "--lengths", "32",
+               "--depths", "0.5", "--digits", "2", "--steps", "2", "--batch", "4",
+               "--eval-n", "2", "--posthoc", "", "--out", str(out)])
+    assert seen == [{"previous": True}]
+    assert json.loads(out.read_text())["results"][0]["spec"]["name"] == "linear/none/T32"
