@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import env_info, env_line, print_table, write_json  # noqa: E402
+from niah import _weights_path  # noqa: E402
 from recall_common import build_model, passkey_batch  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         specs[r["spec"]["name"]] = r["spec"]  # the newest line of a name wins
     names = a.names if a.names is not None else [
         n for n, s in specs.items() if s["family"] != "attention"
-        and (Path(a.load_dir) / (n.replace("/", "_") + ".pt")).exists()]
+        and _weights_path(a.load_dir, n, must_exist=False).exists()]
     missing = [n for n in names if n not in specs]
     if missing:
         raise ValueError(f"--names {missing}: not in --jsonl {a.jsonl}")
@@ -83,9 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     for name in names:
         spec = specs[name]
-        path = Path(a.load_dir) / (name.replace("/", "_") + ".pt")
-        if not path.exists():
-            raise FileNotFoundError(f"--load-dir: no weights for {name} at {path}")
+        path = _weights_path(a.load_dir, name)
         model = build_model(spec)
         model.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
         model = model.to(getattr(torch, a.dtype)).eval()
