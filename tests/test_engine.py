@@ -374,3 +374,59 @@ def test_per_request_ssc_top_k():
         eng.add_request("x", None, GREEDY, prompt_token_ids=[1], mc_overrides={"mc_top_k": 0})
     with pytest.raises(ValueError, match="segment_len"):
         eng.add_request("y", None, GREEDY, prompt_token_ids=[1], mc_overrides={"segment_len": 8})
+
+
+def _run_all(eng):
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_non_finite_logits_fail_only_that_request(monkeypatch, temperature):
+    # a state that overflowed mid-decode (NaN in one row of the batch): that request fails
+    # with a message naming the cause instead of decoding token 0 forever (greedy) or failing
+    # with torch's multinomial message (sampled); the rest of the batch is untouched
+    model = make_model()
+    eng = make_engine(model)
+    ps = prompts()[:4]
+    want = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    original = eng.runner.decode
+
+    def overflowing(items):
+        logits = original(items)
+        for r, item in enumerate(items):
+            if item.seq.request_id == "bad" and len(item.seq.output_ids) == 3:
+                logits[r, 7] = float("nan") if temperature == 0 else float("inf")
+        return logits
+
+    monkeypatch.setattr(eng.runner, "decode", overflowing)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    bad = SamplingParams(max_tokens=10, temperature=temperature, n=2, seed=3, ignore_eos=True)
+    eng.add_request("bad", None, bad, prompt_token_ids=ps[1])
+    done = _run_all(eng)
+    failed = done["bad"]
+    assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
+    assert "not finite" in failed.error and "float64" in failed.error
+    assert all(len(c.token_ids) == 3 for c in failed.outputs)  # the tokens before the overflow
+    assert [done[str(i)].outputs[0].token_ids for i in range(4)] == want
+
+
+def test_nan_model_fails_at_prefill_with_a_clear_error():
+    # a real model whose every logit is NaN (a poisoned final norm): the first token already
+    # fails, alone and in a batched prefill, and the pools come back whole (fixture)
+    model = make_model()
+    with torch.no_grad():
+        model.norm.weight.fill_(float("nan"))
+    eng = make_engine(model)
+    for i, p in enumerate(prompts()[:3]):
+        eng.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    done = _run_all(eng)
+    assert len(done) == 3
+    for out in done.values():
+        assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+        assert "not finite" in out.error

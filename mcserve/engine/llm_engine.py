@@ -28,6 +28,10 @@ from mcserve.models.registry import load_model
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
 
 
+class NonFiniteLogitsError(ArithmeticError):
+    """The model's logits for a sequence hold NaN or inf (its state overflowed)."""
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -233,16 +237,21 @@ class LLMEngine:
                     self._fail(self.requests[item.seq.request_id], e)
         to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
         if to_sample:
+            seqs, logits = self._drop_non_finite(
+                [s for s, _ in to_sample], torch.stack([lg for _, lg in to_sample]), touched)
+        else:
+            seqs = []
+        if seqs:
             try:
-                results = self._sample(to_sample)
+                results = self._sample(seqs, logits)
             except Exception:  # isolate the row that broke the batch: sample one by one
                 results = []
-                for s, lg in to_sample:
+                for r, s in enumerate(seqs):
                     try:
-                        results.append(self._sample([(s, lg)])[0])
+                        results.append(self._sample([s], logits[r:r + 1])[0])
                     except Exception as e:
                         results.append(e)
-            for (seq, _), res in zip(to_sample, results, strict=True):
+            for seq, res in zip(seqs, results, strict=True):
                 req = self.requests[seq.request_id]
                 touched[req.request_id] = req
                 try:
@@ -258,10 +267,32 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
-    def _sample(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple]:
-        seqs = [s for s, _ in rows]
+    def _drop_non_finite(self, seqs: list[Sequence], logits: torch.Tensor,
+                         touched: dict[str, _Request]) -> tuple[list[Sequence], torch.Tensor]:
+        """Fail the sequences whose logits ``(B, V)`` hold NaN or inf; return the others.
+
+        A recurrent state that overflowed its dtype (an unbounded memory such as plain ``dla``
+        far past its training length, in float32) gives NaN logits: greedy decoding would
+        return token 0 forever without a word, sampling would fail with a torch message.
+        """
+        finite = torch.isfinite(logits).all(dim=-1)  # (B,)
+        if bool(finite.all()):
+            return seqs, logits
+        for seq, ok in zip(seqs, finite.tolist(), strict=True):
+            if not ok:
+                req = self.requests[seq.request_id]
+                touched[req.request_id] = req
+                self._fail(req, NonFiniteLogitsError(
+                    f"the model's logits are not finite (NaN or inf) at position "
+                    f"{seq.num_tokens} of completion {seq.index}: its state overflowed in "
+                    f"{self.config.dtype}; a shorter context, or dtype float64, may avoid it"))
+        # _fail finishes every completion of the request, not only the bad row
+        keep = [r for r, s in enumerate(seqs) if not s.finished]
+        return [seqs[r] for r in keep], logits[keep]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple]:
         out = self.sampler(
-            torch.stack([lg for _, lg in rows]).float(), [s.params for s in seqs],
+            logits.float(), [s.params for s in seqs],
             [s.generator or self._global_gen for s in seqs], [s.output_ids for s in seqs],
             [s.prompt_ids for s in seqs])
         return list(zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True))
