@@ -33,6 +33,31 @@ from niah import _weights_path  # noqa: E402
 from recall_common import build_model, passkey_batch  # noqa: E402
 
 
+def saved_models(load_dir: str, jsonl: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``{name: spec}`` of the recurrent models niah.py saved in ``load_dir`` (or ``names``),
+    the specs read from niah.py's ``jsonl`` (the newest line of a name wins)."""
+    specs: dict[str, dict[str, Any]] = {}
+    for line in Path(jsonl).read_text().splitlines():
+        r = json.loads(line)
+        specs[r["spec"]["name"]] = r["spec"]
+    if names is None:
+        names = [n for n, s in specs.items() if s["family"] != "attention"
+                 and _weights_path(load_dir, n, must_exist=False).exists()]
+    missing = [n for n in names if n not in specs]
+    if missing:
+        raise ValueError(f"--names {missing}: not in --jsonl {jsonl}")
+    return {n: specs[n] for n in names}
+
+
+def load_saved(load_dir: str, name: str, spec: dict[str, Any], dtype: str = "float32"
+               ) -> torch.nn.Module:
+    """The model niah.py saved for ``name``, in ``dtype``, in eval mode."""
+    model = build_model(spec)
+    blob = torch.load(_weights_path(load_dir, name), weights_only=True)
+    model.load_state_dict(blob["state_dict"])
+    return model.to(getattr(torch, dtype)).eval()
+
+
 def growth(model: torch.nn.Module, x: torch.Tensor, every: int) -> dict[str, list[float | None]]:
     """``{"L{layer}.{tensor}": [max |entry| after every, 2*every, ... tokens]}`` for the online
     memory of each layer (None where the entry is no longer finite)."""
@@ -68,26 +93,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--length ({a.length}) must be a positive multiple of --every "
                          f"({a.every})")
     torch.set_num_threads(1)
-    specs: dict[str, dict[str, Any]] = {}
-    for line in Path(a.jsonl).read_text().splitlines():
-        r = json.loads(line)
-        specs[r["spec"]["name"]] = r["spec"]  # the newest line of a name wins
-    names = a.names if a.names is not None else [
-        n for n, s in specs.items() if s["family"] != "attention"
-        and _weights_path(a.load_dir, n, must_exist=False).exists()]
-    missing = [n for n in names if n not in specs]
-    if missing:
-        raise ValueError(f"--names {missing}: not in --jsonl {a.jsonl}")
+    saved = saved_models(a.load_dir, a.jsonl, a.names)
     env = env_info()
     print(env_line(env))
     steps = list(range(a.every, a.length + 1, a.every))
     results = []
-    for name in names:
-        spec = specs[name]
-        path = _weights_path(a.load_dir, name)
-        model = build_model(spec)
-        model.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
-        model = model.to(getattr(torch, a.dtype)).eval()
+    for name, spec in saved.items():
+        model = load_saved(a.load_dir, name, spec, a.dtype)
         gen = torch.Generator().manual_seed(0)
         x, _ = passkey_batch(a.batch, a.length, gen, spec["n_digits"], depth=a.depth)
         results.append({"name": name, "train_len": spec["train_len"],

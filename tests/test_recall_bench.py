@@ -373,3 +373,48 @@ def test_results_are_not_clobbered_while_a_run_is_going(tmp_path, monkeypatch):
                "--eval-n", "2", "--posthoc", "", "--out", str(out)])
     assert seen == [{"previous": True}]
     assert json.loads(out.read_text())["results"][0]["spec"]["name"] == "linear/none/T32"
+
+
+def test_readout_scale_wraps_only_inside_the_block(tmp_path):
+    """bench/readout_scale.py: content scale 1 leaves the model's logits as they were, scale 0
+    leaves only the identity term (the memory's content is gone: the output no longer depends
+    on tokens far back), the wrap is undone after the block, and the script reports a finite
+    ratio per layer and head and an accuracy per scale and length."""
+    import niah
+    import readout_scale
+    import state_growth
+
+    jsonl = tmp_path / "n.jsonl"
+    niah.main(["--families", "titans", "--variants", "none", "--no-attention", "--train-len",
+               "32", "--lengths", "32", "--depths", "0.5", "--digits", "2", "--steps", "2",
+               "--batch", "4", "--eval-n", "2", "--posthoc", "", "--out",
+               str(tmp_path / "n.json"), "--jsonl", str(jsonl), "--save-dir", str(tmp_path / "w")])
+    spec = state_growth.saved_models(str(tmp_path / "w"), str(jsonl), None)["titans/none/T32"]
+    model = state_growth.load_saved(str(tmp_path / "w"), "titans/none/T32", spec)
+    x = torch.randint(0, 16, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(x)[0]
+        with readout_scale.scaled_content(model, 1.0):
+            same = model(x)[0]
+        with readout_scale.scaled_content(model, 0.0):
+            a = model(x)[0]
+            y = x.clone()
+            y[:, :20] = (y[:, :20] + 1) % 16  # change only tokens far outside the short conv
+            b = model(y)[0]
+        after = model(x)[0]
+    torch.testing.assert_close(same, ref, rtol=0, atol=0)
+    torch.testing.assert_close(after, ref, rtol=0, atol=0)
+    torch.testing.assert_close(a[:, -1], b[:, -1])  # no memory left to carry token 0..19
+    with torch.no_grad():  # ... which the unscaled memory does carry
+        assert not torch.allclose(ref[:, -1], model(y)[0][:, -1])
+    data = readout_scale.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
+                               "--lengths", "32", "48", "--scales", "1", "0.5", "--eval-n", "2",
+                               "--batch", "2", "--out", str(tmp_path / "r.json")])
+    (r,) = data["results"]
+    assert set(r["exact"]) == {"1.0", "0.5"} and set(r["exact"]["1.0"]) == {"32", "48"}
+    heads = model.layers[0].mixer.H
+    assert [len(lay) for lay in r["ratio"]["32"]] == [heads, heads]  # 2 layers
+    assert all(0 <= v < float("inf") for lay in r["ratio"]["48"] for v in lay)
+    with pytest.raises(ValueError, match="--tail"):
+        readout_scale.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
+                            "--tail", "0"])
