@@ -407,10 +407,25 @@ def test_readout_scale_wraps_only_inside_the_block(tmp_path):
     torch.testing.assert_close(a[:, -1], b[:, -1])  # no memory left to carry token 0..19
     with torch.no_grad():  # ... which the unscaled memory does carry
         assert not torch.allclose(ref[:, -1], model(y)[0][:, -1])
+    # under post-hoc MC (cached memories read through readout_mix) the same two properties
+    mixed = niah._Setting(model, niah.posthoc_settings("post:16", 32)[0])
+    with torch.no_grad():
+        ref = mixed(x)[0]
+        with readout_scale.scaled_content(mixed.inner, 1.0):
+            torch.testing.assert_close(mixed(x)[0], ref, rtol=1e-6, atol=1e-6)
+        with readout_scale.scaled_content(mixed.inner, 0.0):
+            torch.testing.assert_close(mixed(x)[0][:, -1], mixed(y)[0][:, -1])
+        assert not torch.allclose(ref[:, -1], mixed(y)[0][:, -1])
     data = readout_scale.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
                                "--lengths", "32", "48", "--scales", "1", "0.5", "--eval-n", "2",
-                               "--batch", "2", "--out", str(tmp_path / "r.json")])
+                               "--batch", "2", "--posthoc", "post:16", "--out",
+                               str(tmp_path / "r.json")])
     (r,) = data["results"]
+    # post-hoc post with segments of 16: 2 and 3 segments at the end, run as defined (x1) and
+    # with the contents summed (x number of segments)
+    post = r["posthoc"]["post:16:independent"]
+    assert {T: sorted(v) for T, v in post.items()} == {"32": ["1.0", "2.0"], "48": ["1.0", "3.0"]}
+    assert all(0 <= e <= 1 for v in post.values() for e in v.values())
     assert set(r["exact"]) == {"1.0", "0.5"} and set(r["exact"]["1.0"]) == {"32", "48"}
     heads = model.layers[0].mixer.H
     assert [len(lay) for lay in r["ratio"]["32"]] == [heads, heads]  # 2 layers
