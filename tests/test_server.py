@@ -902,3 +902,23 @@ def test_sigterm_graceful_exit_zero(server: ServerProc) -> None:
     t.join(30)
     assert "Traceback" not in server.log.read_text()
     assert result.get("body", "").endswith("data: [DONE]")  # the in-flight request finished
+
+
+def test_overflowing_model_answers_a_clear_500_and_stays_up() -> None:
+    """A model whose logits are NaN (a state that overflowed; here a poisoned final norm): the
+    request fails with the engine's message in OpenAI's error shape, streamed or not, and the
+    server keeps serving."""
+    engine = tiny_engine()
+    with torch.no_grad():
+        engine.model.norm.weight.fill_(float("nan"))
+    with TestClient(build_app(engine)) as client:
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["code"] == "engine_error" and "not finite" in err["message"]
+        events = sse_events(client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True}).text)
+        assert events[-1] == "[DONE]" and "not finite" in events[-2]["error"]["message"]
+        assert client.get("/health").status_code == 200
+        assert engine.cache.is_whole()
