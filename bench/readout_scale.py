@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import env_info, env_line, print_table, write_json  # noqa: E402
 from niah import _Setting, eval_grid, posthoc_settings  # noqa: E402
 from recall_common import passkey_batch  # noqa: E402
-from state_growth import load_saved, saved_models  # noqa: E402
+from state_growth import add_saved_model_args, load_saved, saved_models  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -101,10 +101,7 @@ def content_ratio(model: torch.nn.Module, spec: dict[str, Any], length: int, bat
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--load-dir", required=True, help="weights written by niah.py --save-dir")
-    ap.add_argument("--jsonl", required=True, help="niah.py's result lines (for the specs)")
-    ap.add_argument("--names", nargs="*", default=None,
-                    help="spec names (default: every saved plain (variant none) deep model)")
+    add_saved_model_args(ap, "every saved plain (variant none) deep model")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 0.5, 0.25, 2.0])
     ap.add_argument("--posthoc", default="post:{T/2},post:{T},post:{2T}",

@@ -33,6 +33,14 @@ from niah import _weights_path  # noqa: E402
 from recall_common import build_model, passkey_batch  # noqa: E402
 
 
+def add_saved_model_args(ap: argparse.ArgumentParser, default_names: str) -> None:
+    """``--load-dir``, ``--jsonl`` and ``--names``: which of niah.py's saved models to read."""
+    ap.add_argument("--load-dir", required=True, help="weights written by niah.py --save-dir")
+    ap.add_argument("--jsonl", required=True, help="niah.py's result lines (for the specs)")
+    ap.add_argument("--names", nargs="*", default=None,
+                    help=f"spec names to measure (default: {default_names})")
+
+
 def saved_models(load_dir: str, jsonl: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
     """``{name: spec}`` of the recurrent models niah.py saved in ``load_dir`` (or ``names``),
     the specs read from niah.py's ``jsonl`` (the newest line of a name wins)."""
@@ -77,10 +85,7 @@ def growth(model: torch.nn.Module, x: torch.Tensor, every: int) -> dict[str, lis
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--load-dir", required=True, help="weights written by niah.py --save-dir")
-    ap.add_argument("--jsonl", required=True, help="niah.py's result lines (for the specs)")
-    ap.add_argument("--names", nargs="*", default=None,
-                    help="spec names to measure (default: every saved recurrent model)")
+    add_saved_model_args(ap, "every saved recurrent model")
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--every", type=int, default=32, help="tokens between measurements")
     ap.add_argument("--depth", type=float, default=0.5)
