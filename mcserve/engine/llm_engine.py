@@ -236,11 +236,10 @@ class LLMEngine:
                 for item in sched.decodes:
                     self._fail(self.requests[item.seq.request_id], e)
         to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
+        seqs: list[Sequence] = []
         if to_sample:
             seqs, logits = self._drop_non_finite(
                 [s for s, _ in to_sample], torch.stack([lg for _, lg in to_sample]), touched)
-        else:
-            seqs = []
         if seqs:
             try:
                 results = self._sample(seqs, logits)
