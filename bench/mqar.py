@@ -78,7 +78,8 @@ def run_mqar(spec: dict[str, Any]) -> dict[str, Any]:
     """Train and evaluate one model; the dict that goes into the JSON."""
     torch.manual_seed(spec["seed"])
     device = spec.get("device", "cpu")
-    model = build_model(spec).to(device)  # initialised on the CPU: the same weights everywhere
+    # initialised on the CPU in float32: the same starting point on every device and dtype
+    model = build_model(spec).to(device, getattr(torch, spec.get("dtype", "float32")))
     sets = eval_sets(spec)
     n_curve = min(spec["eval_n"], 128)
 
@@ -151,6 +152,8 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                         eval_pairs=eval_pairs, batch=a.batch, lr=a.lr, seed=seed,
                         curriculum=a.curriculum, head_dim=a.head_dim, device=a.device,
                         eval_n=a.eval_n, max_seconds=a.max_minutes * 60 if a.max_minutes else None)
+            if a.dtype != "float32":  # only then: older result lines keep their spec keys
+                base["dtype"] = a.dtype
             models = []
             if a.attention:
                 models.append(("attention", "-", {}))
@@ -171,6 +174,7 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                     v, var_steps.get(fam, a.steps))))
                 every = max(1, steps // 4)
                 tag = "+ind" if mc.get("mc_mode") == "independent" else ""
+                tag += "+f64" if a.dtype == "float64" else ""
                 name = f"{fam}/{v}{tag}/d{d}{hd}/T{T}/s{seed}"
                 specs.append(dict(base, name=name, family=fam, variant=v, mc=mc, steps=steps,
                                   eval_at=[every, 2 * every, 3 * every],
@@ -190,6 +194,7 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
 def _label(spec: dict[str, Any]) -> str:
     """The variant, with ``@steps`` for the extra equal-budget runs."""
     ind = "+ind" if spec.get("mc", {}).get("mc_mode") == "independent" else ""
+    ind += "+f64" if spec.get("dtype") == "float64" else ""
     return spec["variant"] + ind + (f"@{spec['steps']}" if "/steps" in spec["name"] else "")
 
 
@@ -370,6 +375,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mc-modes", nargs="+", default=["checkpoint"],
                     choices=["checkpoint", "independent"],
                     help="MC mode(s) of the MC variants; independent runs are labelled +ind")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="parameter and state dtype; float64 for dla beyond T = 64, whose memory "
+                         "overflows float32 (docs/does-it-work.md, ninth round); runs labelled "
+                         "+f64")
     ap.add_argument("--device", default="cpu",
                     help="torch device for training/eval (data is drawn on the CPU and moved)")
     ap.add_argument("--plot-from", default=None,

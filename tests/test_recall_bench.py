@@ -433,3 +433,32 @@ def test_readout_scale_wraps_only_inside_the_block(tmp_path):
     with pytest.raises(ValueError, match="--tail"):
         readout_scale.main(["--load-dir", str(tmp_path / "w"), "--jsonl", str(jsonl),
                             "--tail", "0"])
+
+
+def test_mqar_dtype_float64_trains_in_float64(tmp_path, monkeypatch):
+    """--dtype float64 trains the model in float64 (dla's memory overflows float32 past T = 64),
+    labels the runs +f64 so they do not collide with float32 runs in a shared --jsonl, and leaves
+    float32 specs as they were (no dtype key: older result lines still resume)."""
+    import mqar
+
+    seen = []
+    real = mqar.train_loop
+
+    def spy(model, *args, **kwargs):
+        seen.append(next(model.parameters()).dtype)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(mqar, "train_loop", spy)
+    argv = ["--families", "dla", "--deep-variants", "none", "grm", "--no-attention",
+            "--seq-lens", "32", "--pairs", "4", "--steps", "2", "--variant-steps", "--batch", "4",
+            "--eval-n", "4", "--vocab", "64", "--segment-len", "16"]
+    data = mqar.main(argv + ["--dtype", "float64", "--out", str(tmp_path / "f64.json")])
+    assert seen == [torch.float64, torch.float64]
+    assert [r["spec"]["name"] for r in data["results"]] == [
+        "dla/none+f64/d64/T32/s0", "dla/grm+f64/d64/T32/s0"]
+    for r in data["results"]:
+        assert "error" not in r, r.get("traceback")
+        assert r["spec"]["dtype"] == "float64"
+    assert all("dtype" not in s for s in mqar.make_specs(mqar.parse_args(argv)))
+    with pytest.raises(SystemExit):
+        mqar.parse_args(argv + ["--dtype", "float16"])
