@@ -152,8 +152,9 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                         eval_pairs=eval_pairs, batch=a.batch, lr=a.lr, seed=seed,
                         curriculum=a.curriculum, head_dim=a.head_dim, device=a.device,
                         eval_n=a.eval_n, max_seconds=a.max_minutes * 60 if a.max_minutes else None)
+            dt = ""
             if a.dtype != "float32":  # only then: older result lines keep their spec keys
-                base["dtype"] = a.dtype
+                base["dtype"], dt = a.dtype, "+f64"
             models = []
             if a.attention:
                 models.append(("attention", "-", {}))
@@ -174,8 +175,7 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                     v, var_steps.get(fam, a.steps))))
                 every = max(1, steps // 4)
                 tag = "+ind" if mc.get("mc_mode") == "independent" else ""
-                tag += "+f64" if a.dtype == "float64" else ""
-                name = f"{fam}/{v}{tag}/d{d}{hd}/T{T}/s{seed}"
+                name = f"{fam}/{v}{tag}{dt}/d{d}{hd}/T{T}/s{seed}"
                 specs.append(dict(base, name=name, family=fam, variant=v, mc=mc, steps=steps,
                                   eval_at=[every, 2 * every, 3 * every],
                                   lr=fam_lr.get(fam, a.lr)))
@@ -185,7 +185,7 @@ def make_specs(a: argparse.Namespace) -> list[dict[str, Any]]:
                     g_steps = int(var_steps.get(f"{fam}/grm", var_steps.get(
                         "grm", var_steps.get(fam, a.steps))))
                     if g_steps != steps:
-                        specs.append(dict(specs[-1], name=f"{fam}/grm/d{d}{hd}/T{T}/s{seed}"
+                        specs.append(dict(specs[-1], name=f"{fam}/grm{dt}/d{d}{hd}/T{T}/s{seed}"
                                           f"/steps{steps}", variant="grm",
                                           mc={"segment_len": a.segment_len}))
     return specs

@@ -460,5 +460,11 @@ def test_mqar_dtype_float64_trains_in_float64(tmp_path, monkeypatch):
         assert "error" not in r, r.get("traceback")
         assert r["spec"]["dtype"] == "float64"
     assert all("dtype" not in s for s in mqar.make_specs(mqar.parse_args(argv)))
+    # the equal-budget grm run that loglinear adds is labelled too
+    ll = mqar.make_specs(mqar.parse_args(["--families", "linear", "--variants", "grm", "loglinear",
+                                          "--variant-steps", "loglinear=3", "--dtype", "float64"]))
+    names = [s["name"] for s in ll if s["family"] == "linear"]
+    assert len(names) == 3 and len(set(names)) == 3
+    assert all("+f64/" in n for n in names)
     with pytest.raises(SystemExit):
         mqar.parse_args(argv + ["--dtype", "float16"])
