@@ -20,7 +20,7 @@ prefills from there; it has no paged path.
 
 Samples of all variants of one (N, path, batch) cell are interleaved round-robin and the medians
 reported, so ratios to ``none`` are steadier than the absolute times on a shared machine. The
-targets of issue 2 are printed as PASS/FAIL, not asserted.
+targets (docs/bench-mc-layer.md) are printed as PASS/FAIL, not asserted.
 
     python bench/mc_layer.py              # full run, a few minutes on 2 cores
     python bench/mc_layer.py --quick      # N ∈ {1, 8}, fewer repeats, < 30 s (CI smoke);
@@ -63,7 +63,7 @@ VARIANTS = ("none", "residual", "post", "grm", "ssc", "soup", "loglinear")
 PREFILL_T = 4 * C
 BATCHES = (1, 8)
 
-# targets of issue 2 (printed, not asserted)
+# targets (printed, not asserted; docs/bench-mc-layer.md)
 COLLAPSE_MAX = 1.05  # residual/post ≤ 1.05× none at N = 256
 SSC_MAX = 1.5  # ssc ≤ 1.5× none at N = 256
 SSC_FLAT = 1.2  # ssc at N = 256 within 1.2× of N = 8
@@ -71,7 +71,7 @@ FLOOR_MAX = 1.5  # grm within 1.5× of the bandwidth floor
 
 
 def make_mc(variant: str) -> MCMemory:
-    # post's default mode is independent (DESIGN.md §1.3); loglinear is checkpoint only.
+    # post's default mode is independent (docs/mc.md); loglinear is checkpoint only.
     mode = "independent" if variant == "post" else "checkpoint"
     return MCMemory(LinearMemory(), MCConfig(variant=variant, mode=mode, segment_len=C,
                                              top_k=TOP_K))
@@ -299,7 +299,7 @@ def report(results: list[dict], variants: list[str]) -> dict:
     rows = [[name, p, fr(x), f"{lim}×", "-" if x is None else ("PASS" if x <= lim else "FAIL")]
             for name, p, x, lim in targets]
     if rows:
-        print_table(rows, ["target (issue 2)", "path", "measured", "limit", ""],
+        print_table(rows, ["target", "path", "measured", "limit", ""],
                     title="Targets (printed, not asserted)", align="llrrl")
     else:
         print("\n(targets are defined at N = 256; run without --quick to evaluate them)")

@@ -63,7 +63,7 @@ from mcserve.models.mc import PagedLayer  # noqa: E402
 from mcserve.models.native import MCForCausalLM  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, head_dim=64, segment_len=64)
-DECODE_MAX = 2.0  # issue 7: decode step at batch 1 within 2x of the bandwidth floor
+DECODE_MAX = 2.0  # target: decode step at batch 1 within 2x of the bandwidth floor
 
 
 # --------------------------------------------------------------------------- machine limits
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         tgt = {"target": "decode step at batch 1 within 2x of the bandwidth floor",
                "measured": x, "limit": DECODE_MAX, "pass": x <= DECODE_MAX,
                "model_only": b1["forward_paged_over_floor"]}
-        print(f"\ntarget (issue 7): engine decode step at batch 1 / floor = {x:.1f}x "
+        print(f"\ntarget: engine decode step at batch 1 / floor = {x:.1f}x "
               f"(limit {DECODE_MAX}x): {'PASS' if tgt['pass'] else 'FAIL'}; model alone "
               f"(forward_paged) {b1['forward_paged_over_floor']:.1f}x")
     print(f"total {time.perf_counter() - t_start:.0f} s; load {env_info()['loadavg']}")

@@ -8,9 +8,9 @@
 Scripts, in order: ``mc_layer.py`` (one MC layer vs the number of cached segments),
 ``offline.py`` (batched ``LLM.generate``), ``serving.py`` (HTTP server, when present),
 ``long_context.py`` (decode vs a KV-cache Transformer up to 32K), ``roofline.py`` (machine
-limits and the decode step against them). ``train.py`` and ``prepare_data.py`` are not
-benchmarks; the recall (quality) benchmarks ``mqar.py`` and its kin train models for minutes to
-hours and are run on their own. Each script runs in its own process with the same Python
+limits and the decode step against them), ``cpu_kernels.py`` (the C++ decode kernels). The
+recall experiments (``experiments/recall/``) train models for minutes to hours and are run on
+their own. Each script runs in its own process with the same Python
 (``--quick`` is passed through, and ``--threads N``: 1 by default with ``--quick``); its output
 is shown and saved to ``bench/results/tmp_logs/<script>.log`` (quick: in the temporary
 directory). No timing is asserted: the exit status is non-zero only if a script fails (a
@@ -49,8 +49,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 SCRIPTS = ["mc_layer", "offline", "serving", "long_context", "roofline", "cpu_kernels"]
-NOT_BENCHMARKS = {"common", "run_all", "train", "prepare_data", "recall_common"}
-QUALITY = {"mqar", "niah", "ablations"}  # recall benchmarks: they train models; run alone
+NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels"}  # helpers; kernels.py needs CUDA
 
 
 def run_script(name: str, args, bench_dir: Path) -> dict:
@@ -281,13 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--args {a!r}: {name!r} is not one of {SCRIPTS}")
         args.extra[name] = rest.split()
     present = sorted(p.stem for p in BENCH.glob("*.py"))
-    unknown = [n for n in present if n not in SCRIPTS and n not in NOT_BENCHMARKS | QUALITY]
+    unknown = [n for n in present if n not in SCRIPTS and n not in NOT_BENCHMARKS]
     if unknown:
         print(f"note: bench scripts not run by run_all: {unknown}")
-    quality = [n for n in present if n in QUALITY]
-    if quality:
-        print(f"note: recall benchmarks {quality} are not run here (they train models; "
-              f"run them alone, e.g. python bench/mqar.py --quick)")
     names = [n for n in (args.only or SCRIPTS) if n not in args.skip]
     todo = []
     for n in names:

@@ -19,7 +19,7 @@ the client side:
 Server overhead: unless ``--no-offline``, the same requests run through the offline API
 (``LLM.generate``, same model, ``max_num_seqs`` = clients, on a background thread of this process
 as the server's engine runs, before the server starts so that the two never share the CPU), and
-the HTTP throughput is reported as a fraction of it (the issue's target: >= 85% at 16 clients).
+the HTTP throughput is reported as a fraction of it (target: >= 85% at 16 clients).
 
 ``--compare`` serves the 130M Mamba2 shape (random weights, ``bench/baselines.py``, as-is: no MC)
 with prompts of ``--prompt-len`` token ids and ``--new-tokens`` outputs, then runs llama.cpp's

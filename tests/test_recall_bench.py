@@ -1,4 +1,5 @@
-"""The recall benchmarks (bench/mqar.py, niah.py, ablations.py): task generators and a smoke run.
+"""The recall experiments (experiments/recall/: mqar.py, niah.py, ablations.py): task generators
+and a smoke run.
 
 The generators must produce exactly the task they claim (Zoology's MQAR; S-NIAH-1 passkey), and
 the whole pipeline (build, train through the parallel forward, evaluate, tables, JSON) must run.
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+RECALL = Path(__file__).resolve().parent.parent / "experiments" / "recall"
+sys.path.insert(0, str(RECALL))
 
 import recall_common as rc  # noqa: E402
 
@@ -214,9 +215,9 @@ def test_mqar_head_dim_seeds_modes(tmp_path):
 
 
 def test_niah_posthoc_settings_match_their_definitions():
-    """bench/niah.py's post-hoc rows: within one segment post-hoc MC and the segment reset are
+    """niah.py's post-hoc rows: within one segment post-hoc MC and the segment reset are
     the plain model; past it the reset restarts the memory (first C positions unchanged, later
-    ones not), and every QUALITY-NOTES.md setting plus its reset baseline is built."""
+    ones not), and every post-hoc setting plus its reset baseline is built."""
     import niah
 
     torch.manual_seed(0)
@@ -323,7 +324,7 @@ def test_niah_eval_dtype_runs_end_to_end(tmp_path):
 
 
 def test_state_growth_reads_niah_weights(tmp_path):
-    """bench/state_growth.py measures the online memory of niah.py's saved models: one value
+    """state_growth.py measures the online memory of niah.py's saved models: one value
     per --every tokens for each memory tensor of each layer, finite for a fresh tiny model."""
     import niah
     import state_growth
@@ -352,8 +353,8 @@ def test_state_growth_reads_niah_weights(tmp_path):
 def test_results_are_not_clobbered_while_a_run_is_going(tmp_path, monkeypatch):
     """A long recall run replaces its --out only when it finishes: killed half way, the previous
     results are still there (the scripts used to write {} there first to resolve the path)."""
-    import common
     import niah
+    import recall_common as common
 
     assert common.results_path("x.json") == common.RESULTS_DIR / "x.json"
     assert not (common.RESULTS_DIR / "x.json").exists()
@@ -376,7 +377,7 @@ def test_results_are_not_clobbered_while_a_run_is_going(tmp_path, monkeypatch):
 
 
 def test_readout_scale_wraps_only_inside_the_block(tmp_path):
-    """bench/readout_scale.py: content scale 1 leaves the model's logits as they were, scale 0
+    """readout_scale.py: content scale 1 leaves the model's logits as they were, scale 0
     leaves only the identity term (the memory's content is gone: the output no longer depends
     on tokens far back), the wrap is undone after the block, and the script reports a finite
     ratio per layer and head and an accuracy per scale and length."""

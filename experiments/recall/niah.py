@@ -8,16 +8,16 @@ digits are (teacher forced, which is what greedy decoding returns when it is rig
 
 Every model trained *without* MC (``none``) is then evaluated on the same weights under each
 ``--posthoc`` setting (``mcserve eval``'s syntax, ``VARIANT[:C[:MODE[:TOP_K]]]``; default: the
-QUALITY-NOTES.md set, i.e. post-training MC, paper §4, at 0.5×, 1× and 2× the training length in
+set of post-training MC, paper §4, at 0.5×, 1× and 2× the training length in
 independent mode, at 1× in checkpoint mode, and parameter-free ``grm``/``ssc`` with u = q), plus
 the *segment reset* baseline ``reset:C`` for every segment length used (no MC, the memory
 restarts every C tokens): if MC does not beat that, the cached memories add nothing.
 
-    python bench/niah.py --quick          # smoke: linear none, 2 lengths (< 3 min)
-    python bench/niah.py                  # the README numbers
-    python bench/niah.py --families linear dla titans --lengths 256 512 1024 2048 4096
+    python experiments/recall/niah.py --quick          # smoke: linear none, 2 lengths (< 3 min)
+    python experiments/recall/niah.py                  # the passkey table of FINDINGS.md
+    python experiments/recall/niah.py --families linear dla titans --lengths 256 512 1024 2048 4096
 
-Writes ``bench/results/niah.json`` (or ``--out``) and prints exact-match accuracy tables.
+Writes ``results/niah.json`` (or ``--out``) and prints exact-match accuracy tables.
 """
 
 from __future__ import annotations
@@ -33,26 +33,30 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import env_info, env_line, print_table, results_path, write_json  # noqa: E402
 from recall_common import (  # noqa: E402
     answer_accuracy,
     build_model,
+    env_info,
+    env_line,
     passkey_batch,
+    print_table,
+    results_path,
     run_many,
     state_floats,
     train_loop,
+    write_json,
 )
 
 from mcserve.config import MEMORIES  # noqa: E402
-from mcserve.eval.common import Runner, Setting, model_for, parse_settings  # noqa: E402
+from mcserve.eval.common import EvalModel, Setting, model_for, parse_settings  # noqa: E402
 from mcserve.models.native import MCForCausalLM  # noqa: E402
 
 EVAL_SEED = 2_000_003
-# QUALITY-NOTES.md's set: post at 0.5x/1x/2x the training length (independent), post in
+# the post-hoc set: post at 0.5x/1x/2x the training length (independent), post in
 # checkpoint mode, and the parameter-free grm and ssc (u = q, checkpoint mode; ssc top-1 was
-# the best post-hoc setting in docs/does-it-work.md)
+# the best post-hoc setting in FINDINGS.md)
 POSTHOC = ("post:{T/2},post:{T},post:{2T},post:{T}:checkpoint,grm:{T},ssc:{T}:checkpoint:2,"
            "ssc:{T}:checkpoint:1")
 
@@ -86,7 +90,7 @@ class _Setting(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):
         parts: list[torch.Tensor] = []
-        Runner(self.inner, reset_every=self.reset, chunk=x.shape[1]).feed(
+        EvalModel(self.inner, reset_every=self.reset, chunk=x.shape[1]).feed(
             x, None, 0, on_logits=lambda t0, lg: parts.append(lg))
         return torch.cat(parts, 1), None
 
@@ -111,7 +115,7 @@ def _weights_path(folder: str | None, name: str, must_exist: bool = True) -> Pat
 def _in_eval_dtype(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
     """The model to evaluate: itself, or a copy in ``spec["eval_dtype"]`` (float64 tells a
     model's own limits from float32 overflow: a state that grows without bound overflows float32
-    long before the model stops working, see docs/does-it-work.md, seventh round)."""
+    long before the model stops working, see FINDINGS.md)."""
     dtype = getattr(torch, spec.get("eval_dtype", "float32"))
     if dtype == next(model.parameters()).dtype:
         return model
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="run only the specs whose name matches one of these globs")
     ap.add_argument("--jsonl", default=None)
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/niah.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default results/niah.json)")
     a = ap.parse_args(argv)
     if a.quick:
         a.attention, a.families, a.variants = False, ["linear"], ["none"]

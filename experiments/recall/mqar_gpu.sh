@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The MQAR capacity grid (docs/does-it-work.md, "Third round") on one CUDA GPU, as one prepared
-# device call: 15 runs (attention + linear none/grm/ssc/loglinear, seeds 0-2) and one extra
-# (linear grm in independent mode, seed 0), all at once, one process per run.
+# MQAR grids on one CUDA GPU, each as one prepared device call (FINDINGS.md lists which result
+# file each grid wrote). Run from the repository root:
 #
-#   OUT=/some/dir bash bench/mqar_gpu.sh        # T=256 grid: ~6.5 minutes on one H200, 16 cores
-#   OUT=/some/dir MAXMIN=5.3 bash bench/mqar_gpu.sh t128   # T=128 grid (6000 steps; grm+ind
-#                                               # on 3 seeds, no loglinear): ~4.5 minutes
-#   OUT=/some/dir MAXMIN=6.5 bash bench/mqar_gpu.sh titans    # titans T=64, lr 3e-3 and 1e-2,
-#                                               # seeds 0-2, 18 processes (not yet run)
-#   OUT=/some/dir MAXMIN=6.5 bash bench/mqar_gpu.sh coverage  # dla/titans T=64, d_model 128,
-#                                               # T=512; seed $SEED (default 0), 4000 steps:
-#                                               # 5-6 minutes on one H100
+#   OUT=/some/dir bash experiments/recall/mqar_gpu.sh            # t256: linear none/grm/ssc/
+#       # loglinear + attention, seeds 0-2, T = 256, 16-64 pairs, plus grm independent (seed 0):
+#       # ~6.5 minutes on one H200, 16 cores -> mqar_capacity.json, mqar_capacity_ind.json
+#   OUT=/some/dir MAXMIN=5.3 bash experiments/recall/mqar_gpu.sh t128   # T = 128, 8-32 pairs,
+#       # 6000 steps, grm independent on 3 seeds, no loglinear: ~4.5 minutes
+#       # -> mqar_capacity_t128.json, mqar_capacity_t128_ind.json
+#   OUT=/some/dir MAXMIN=6.5 SEED=0 bash experiments/recall/mqar_gpu.sh deep-wide   # dla/titans
+#       # at T = 64, linear at d_model 128 / T = 256 and at T = 512; one seed, 4000 steps:
+#       # 5-6 minutes on one H100 -> mqar_deep_t64.json, mqar_d128_t256.json, mqar_t512.json
+#   OUT=/some/dir MAXMIN=6.5 bash experiments/recall/mqar_gpu.sh titans-lr   # titans T = 64 at
+#       # outer learning rates $TLR (default 3e-3) and 1e-2, seeds 0-2, 18 processes
 #
 # Tiny models are launch-bound: each process keeps one CPU core busy launching kernels, so the
 # runs share the GPU through CUDA MPS when the machine has it (kernels of different processes then
@@ -19,7 +21,7 @@
 # before the device call's limit. Data is drawn on the CPU from the seed and moved to the GPU: the
 # same token stream as on the CPU, but GPU arithmetic is not bit-identical to the CPU's.
 set -u
-OUT=${OUT:-bench/results}
+OUT=${OUT:-experiments/recall/results}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 MCSERVE_KERNELS=torch OMP_NUM_THREADS=1
@@ -46,25 +48,23 @@ fi
 echo "MPS=$MPS" | tee -a "$OUT/grid.log"
 
 GRID=${1:-t256}
-if [ "$GRID" = coverage ]; then
-  # The cells no earlier round covered, one seed ($SEED, default 0), three grids side by side
-  # (15 processes):
-  # dla/titans at the first round's T = 64 setting with 5x its steps, d_model 128 at the third
-  # round's T = 256 setting, and T = 512 (segments of 64: the same 8 segments as T = 256 / 32).
-  # Only the three result JSONs and grid.log stay under $OUT (a device call returns 8 files);
-  # the plots are redrawn with `python bench/mqar.py --plot-from FILE.json`.
+if [ "$GRID" = deep-wide ]; then
+  # One seed ($SEED, default 0), three grids side by side (15 processes): dla/titans at T = 64
+  # (4000 steps), d_model 128 at T = 256, and T = 512 (segments of 64: the same 8 segments as
+  # T = 256 with segments of 32). Only the three result JSONs and grid.log stay under $OUT; the
+  # plots are redrawn with `python experiments/recall/mqar.py --plot-from FILE.json`.
   STEPS=${STEPS:-4000}
   DEV=(--device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds "${SEED:-0}"
        --eval-n "${EVALN:-512}" --steps "$STEPS")
-  $PY bench/mqar.py "${DEV[@]}" --families dla titans --variants none grm ssc --deep-variants \
+  $PY experiments/recall/mqar.py "${DEV[@]}" --families dla titans --variants none grm ssc --deep-variants \
       none grm ssc --d-models 64 --seq-lens 64 --pairs 4 8 16 --vocab 64 \
       --segment-len 16 --top-k 1 --jobs 7 --out "$OUT/mqar_deep_t64.json" \
       --plot "/tmp/mqar_deep_t64.png" --jsonl "/tmp/mqar_deep_t64.jsonl" > /tmp/deep.log 2>&1 &
-  $PY bench/mqar.py "${DEV[@]}" --families linear --variants none grm ssc --d-models 128 \
+  $PY experiments/recall/mqar.py "${DEV[@]}" --families linear --variants none grm ssc --d-models 128 \
       --seq-lens 256 --pairs 16 32 64 --vocab 256 --head-dim 16 --segment-len 32 --top-k 2 \
       --jobs 4 --out "$OUT/mqar_d128_t256.json" --plot "/tmp/mqar_d128_t256.png" \
       --jsonl "/tmp/mqar_d128_t256.jsonl" > "/tmp/d128.log" 2>&1 &
-  $PY bench/mqar.py "${DEV[@]}" --families linear --variants none grm ssc --d-models 64 \
+  $PY experiments/recall/mqar.py "${DEV[@]}" --families linear --variants none grm ssc --d-models 64 \
       --seq-lens 512 --pairs 16 32 64 --vocab 256 --head-dim 16 --segment-len 64 --top-k 2 \
       --jobs 4 --out "$OUT/mqar_t512.json" --plot "/tmp/mqar_t512.png" \
       --jsonl "/tmp/mqar_t512.jsonl" > "/tmp/t512.log" 2>&1 &
@@ -74,13 +74,13 @@ if [ "$GRID" = coverage ]; then
   date -u +%FT%TZ | tee -a "$OUT/grid.log"
   exit 0
 fi
-if [ "$GRID" = titans ]; then
-  # titans at T = 64 (the coverage grid's deep cells): none/grm/ssc x seeds 0-2 at the outer
-  # learning rate $TLR (default 3e-3, which trained the CPU reruns of diverged specs) and, in
-  # the same call, at the default 1e-2 (4 of 6 diverged in the fifth round): 18 processes.
+if [ "$GRID" = titans-lr ]; then
+  # titans at T = 64 (the deep-wide grid's deep cells): none/grm/ssc x seeds 0-2 at the outer
+  # learning rate $TLR (default 3e-3, at which titans trains without diverging) and, in the
+  # same call, at the default 1e-2 (where most titans runs diverge): 18 processes.
   STEPS=${STEPS:-4000}
   for LR in "${TLR:-3e-3}" 1e-2; do
-    $PY bench/mqar.py --device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds 0 1 2 \
+    $PY experiments/recall/mqar.py --device "$DEVICE" --max-minutes "$MAXMIN" --variant-steps --seeds 0 1 2 \
         --eval-n "${EVALN:-512}" --steps "$STEPS" --no-attention --families titans \
         --deep-variants none grm ssc --d-models 64 --seq-lens 64 --pairs 4 8 16 --vocab 64 \
         --segment-len 16 --top-k 1 --family-lr "titans=$LR" --jobs 9 \
@@ -105,7 +105,7 @@ else
   VARIANTS=(none grm ssc loglinear); IND_SEEDS=(0); NAME=mqar_capacity
 fi
 if [ "$MPS" = 1 ]; then
-  $PY bench/mqar.py "${COMMON[@]}" --no-attention --variants grm --mc-modes independent \
+  $PY experiments/recall/mqar.py "${COMMON[@]}" --no-attention --variants grm --mc-modes independent \
       --seeds "${IND_SEEDS[@]}" --jobs "${#IND_SEEDS[@]}" --out "$OUT/${NAME}_ind.json" \
       --plot "/tmp/${NAME}_ind.png" > "$OUT/ind.log" 2>&1 &
   IND=$!
@@ -114,7 +114,7 @@ else
   IND=
   SEEDS=(0); JOBS=$((${#VARIANTS[@]} + 1))
 fi
-$PY bench/mqar.py "${COMMON[@]}" --variants "${VARIANTS[@]}" --top-k 2 \
+$PY experiments/recall/mqar.py "${COMMON[@]}" --variants "${VARIANTS[@]}" --top-k 2 \
     --seeds "${SEEDS[@]}" --jobs "$JOBS" --out "$OUT/$NAME.json" 2>&1 \
     | tee -a "$OUT/grid.log" | grep -v " step "
 [ -n "$IND" ] && wait "$IND"

@@ -1,17 +1,18 @@
 """How large a trained model's online memory grows with context, per layer.
 
 Feeds one passkey haystack (``recall_common.passkey_batch``, needle at ``--depth``) through
-models saved by ``bench/niah.py --save-dir`` and records, every ``--every`` tokens, the largest
+models saved by ``niah.py --save-dir`` and records, every ``--every`` tokens, the largest
 absolute entry of each online-memory tensor (``W1``/``W2`` for ``dla``/``titans``, ``S`` for the
 linear memories). A memory that grows geometrically overflows float32 at some length, and from
 there the model's output is NaN whatever it learned: that is a numerical limit, not a modelling
 one, and ``niah.py --eval-dtype float64`` tells the two apart.
 
-    python bench/niah.py --families dla titans --variants none grm --no-attention \\
-        --save-dir /tmp/niah_deep_w --out bench/results/niah_deep.json
-    python bench/state_growth.py --load-dir /tmp/niah_deep_w --jsonl bench/results/niah_deep.jsonl
+    python experiments/recall/niah.py --families dla titans --variants none grm --no-attention \\
+        --save-dir /tmp/niah_deep_w --out experiments/recall/results/niah_deep.json
+    python experiments/recall/state_growth.py --load-dir /tmp/niah_deep_w \\
+        --jsonl experiments/recall/results/niah_deep.jsonl
 
-Prints a table and writes ``bench/results/state_growth.json`` (or ``--out``).
+Prints a table and writes ``results/state_growth.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import env_info, env_line, print_table, write_json  # noqa: E402
 from niah import _weights_path  # noqa: E402
-from recall_common import build_model, passkey_batch  # noqa: E402
+from recall_common import (  # noqa: E402
+    build_model,
+    env_info,
+    env_line,
+    passkey_batch,
+    print_table,
+    write_json,
+)
 
 
 def add_saved_model_args(ap: argparse.ArgumentParser, default_names: str) -> None:
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default bench/results/state_growth.json)")
+                    help="JSON path (default results/state_growth.json)")
     a = ap.parse_args(argv)
     if a.length < 1 or a.every < 1 or a.length % a.every:
         raise ValueError(f"--length ({a.length}) must be a positive multiple of --every "

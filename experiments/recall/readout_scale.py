@@ -5,7 +5,7 @@ wrote. Every MC mix ``sum_i gamma_i M_i(q)`` with weights summing to one keeps t
 whole and gives each memory's content the weight ``gamma_i < 1``, so mixing two memories, one of
 which holds nothing useful, halves the useful content relative to ``q``. A model whose content
 is of the size of ``q`` (not far larger, as a ``dla`` memory's grows) can be thrown off by that
-alone. This script measures both sides on models saved by ``bench/niah.py --save-dir``:
+alone. This script measures both sides on models saved by ``niah.py --save-dir``:
 
 * ``ratio``: median ``|M(q) - q| / |q|`` per layer and head over the last ``--tail`` positions
   (where the passkey is read), along haystacks of each ``--lengths``;
@@ -17,9 +17,10 @@ alone. This script measures both sides on models saved by ``bench/niah.py --save
   identity term still once): if mixing failed only by diluting the content, the second would
   recover what the segment-reset baseline finds.
 
-    python bench/readout_scale.py --load-dir /tmp/niah_deep_w --jsonl bench/results/niah_deep.jsonl
+    python experiments/recall/readout_scale.py --load-dir /tmp/niah_deep_w \\
+        --jsonl experiments/recall/results/niah_deep.jsonl
 
-Prints three tables and writes ``bench/results/readout_scale.json`` (or ``--out``).
+Prints three tables and writes ``results/readout_scale.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import env_info, env_line, print_table, write_json  # noqa: E402
 from niah import _Setting, eval_grid, posthoc_settings  # noqa: E402
-from recall_common import passkey_batch  # noqa: E402
+from recall_common import env_info, env_line, passkey_batch, print_table, write_json  # noqa: E402
 from state_growth import add_saved_model_args, load_saved, saved_models  # noqa: E402
 
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=16, help="haystacks for the content ratio")
     ap.add_argument("--tail", type=int, default=6, help="last positions the ratio looks at")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default bench/results/readout_scale.json)")
+                    help="JSON path (default results/readout_scale.json)")
     a = ap.parse_args(argv)
     if a.tail < 1 or a.eval_n < 1 or a.batch < 1:
         raise ValueError("--tail, --eval-n and --batch must be >= 1")

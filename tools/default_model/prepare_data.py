@@ -5,7 +5,7 @@ access), cleans it into plain text, adds seeded synthetic recall data (key-value
 passkey-in-filler) and chat-formatted examples, trains a byte-level BPE tokenizer and writes
 token files with train/valid splits::
 
-    python bench/prepare_data.py --out .data/data
+    python tools/default_model/prepare_data.py --out .data/data
 
 Sources (licences are copied into ``OUT/licenses/`` and listed in ``OUT/meta.json``):
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the recall benchmarks (``mqar.py``, ``niah.py``, ``ablations.py``).
+"""Shared pieces of the recall experiments (``mqar.py``, ``niah.py``, ``ablations.py`` ...).
 
 * **Tasks**, generated on the fly from a ``torch.Generator`` (same seed → same tokens):
 
@@ -42,13 +42,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RESULTS_DIR = HERE / "results"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))  # bench/common.py: environment info, tables, JSON
+
+import common as _bench_common  # noqa: E402
+from common import env_info, env_line, print_table  # noqa: E402, F401 (re-exported)
 
 from mcserve.config import ModelConfig  # noqa: E402
 from mcserve.models.native import MCForCausalLM, RMSNorm, SwiGLU  # noqa: E402
 
 IGNORE = -100
+
+
+def results_path(name: str | os.PathLike) -> Path:
+    """Where :func:`write_json` writes ``name``: ``experiments/recall/results/<name>`` for a bare
+    file name, ``name`` itself for a path. Writes nothing."""
+    p = Path(name)
+    return RESULTS_DIR / p if p.parent == Path(".") else p
+
+
+def write_json(data: Any, name: str | os.PathLike, *, extra: str | os.PathLike | None = None
+               ) -> list[Path]:
+    """Write ``data`` as JSON to :func:`results_path` ``(name)`` (and ``extra`` if given)."""
+    return _bench_common.write_json(data, results_path(name),
+                                    extra=None if extra is None else results_path(extra))
 
 # --------------------------------------------------------------------------- MQAR
 

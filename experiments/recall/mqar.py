@@ -8,15 +8,15 @@ power-law gaps, loss only on the answers), generated on the fly from the seed. E
 on a mix of pair counts (every batch holds each of ``--train-pairs`` equally) and is evaluated on
 fixed held-out sets (the same for every model) for each of ``--pairs``.
 
-    python bench/mqar.py --quick                      # CI smoke (< 3 min): learns above chance
-    python bench/mqar.py                              # the default reduced grid (README numbers)
-    python bench/mqar.py --families linear swla dla titans \\
+    python experiments/recall/mqar.py --quick    # smoke (< 3 min): learns above chance
+    python experiments/recall/mqar.py            # the default reduced grid
+    python experiments/recall/mqar.py --families linear swla dla titans \\
         --variants none residual grm soup ssc loglinear --d-models 64 128 \\
-        --seq-lens 128 256 512 --pairs 8 16 32 64     # the full grid of issue 8 (many hours)
+        --seq-lens 128 256 512 --pairs 8 16 32 64     # the full grid (many hours)
 
-Results: a Markdown table on stdout, ``bench/results/mqar.json`` (or ``--out``), a JSONL of the
+Results: a Markdown table on stdout, ``results/mqar.json`` (or ``--out``), a JSONL of the
 finished runs (``--jsonl``; ``--resume`` skips what is already there) and a plot of accuracy vs
-pairs (``--plot``). The issue's targets are printed as PASS/FAIL, not asserted.
+pairs (``--plot``). The targets of FINDINGS.md are printed as PASS/FAIL, not asserted.
 """
 
 from __future__ import annotations
@@ -31,16 +31,20 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import env_info, env_line, print_table, results_path, write_json  # noqa: E402
 from recall_common import (  # noqa: E402
     answer_accuracy,
     build_model,
+    env_info,
+    env_line,
     mqar_batch,
+    print_table,
+    results_path,
     run_many,
     state_floats,
     train_loop,
+    write_json,
 )
 
 from mcserve.config import MEMORIES  # noqa: E402
@@ -219,7 +223,7 @@ def _stats(rs: list[dict[str, Any]], p: int) -> tuple[float, float, float]:
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Print the accuracy tables and check the issue's targets on the mean over the seeds;
+    """Print the accuracy tables and check the targets (FINDINGS.md) on the mean over the seeds;
     returns the target verdicts."""
     verdicts: dict[str, Any] = {}
     groups: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
@@ -377,7 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="MC mode(s) of the MC variants; independent runs are labelled +ind")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                     help="parameter and state dtype; float64 for dla beyond T = 64, whose memory "
-                         "overflows float32 (docs/does-it-work.md, ninth round); runs labelled "
+                         "overflows float32 (FINDINGS.md); runs labelled "
                          "+f64")
     ap.add_argument("--device", default="cpu",
                     help="torch device for training/eval (data is drawn on the CPU and moved)")
@@ -392,7 +396,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run only the specs whose name matches one of these globs")
     ap.add_argument("--jsonl", default=None, help="finished runs (default next to --out)")
     ap.add_argument("--resume", action="store_true", help="skip runs already in --jsonl")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/mqar.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default results/mqar.json)")
     ap.add_argument("--plot", default=None, help="PNG path (default next to --out)")
     return ap.parse_args(argv)
 

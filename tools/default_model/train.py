@@ -7,8 +7,9 @@ measures held-out perplexity and passkey accuracy by length (greedy; with the mo
 ``mc_variant="none"`` on the same weights), writes ``OUT/results.json`` and saves the model with
 its tokenizer into ``OUT/final``::
 
-    python bench/prepare_data.py --out .data/data
-    python bench/train.py --data .data/data --out .data/run --threads 1 --max-minutes 70
+    python tools/default_model/prepare_data.py --out .data/data
+    python tools/default_model/train.py --data .data/data --out .data/run --threads 1 \\
+        --max-minutes 70
 
 ``--max-minutes`` is the training-time budget (evaluation comes after it). Without
 ``--max-steps`` the cosine schedule runs on the fraction of that budget spent (the machine is
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from prepare_data import STANDARD_FILLER, passkey_prompt  # noqa: E402
 

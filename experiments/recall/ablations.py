@@ -19,9 +19,9 @@ defined here (``XOnlyGates``) that replaces the scores of the gate softmax and i
 in each mixer of a fresh ``MCForCausalLM`` (``spec["hook"]``); everything else (the memory scan,
 the cached states, the aggregation) is mcserve's.
 
-    python bench/ablations.py --quick      # smoke (< 3 min)
-    python bench/ablations.py              # README numbers
-    python bench/ablations.py --family dla --seg-lens 16 32 64 128 --ssc
+    python experiments/recall/ablations.py --quick      # smoke (< 3 min)
+    python experiments/recall/ablations.py              # the ablation table of FINDINGS.md
+    python experiments/recall/ablations.py --family dla --seg-lens 16 32 64 128 --ssc
 """
 
 from __future__ import annotations
@@ -39,11 +39,17 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import env_info, env_line, print_table, results_path, write_json  # noqa: E402
 from mqar import run_mqar  # noqa: E402
-from recall_common import run_many  # noqa: E402
+from recall_common import (  # noqa: E402
+    env_info,
+    env_line,
+    print_table,
+    results_path,
+    run_many,
+    write_json,
+)
 
 from mcserve.config import MEMORIES  # noqa: E402
 from mcserve.models.mc import MCLayerState, MCMemory  # noqa: E402
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reuse", default=None,
                     help="mqar.py JSONL whose runs with the same settings are reused, not rerun "
                          "(e.g. grm and residual at the reference segment length)")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/ablations.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default results/ablations.json)")
     a = ap.parse_args(argv)
     if a.quick:
         a.seq_len, a.pairs, a.steps, a.eval_n, a.segment_len = 64, [4], 60, 64, 16
