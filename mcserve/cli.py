@@ -16,101 +16,57 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mcserve import __version__
+from mcserve.cli_args import (
+    EXIT_USAGE,
+    CLIError,
+    first_line,
+    non_negative_float,
+    positive_int,
+)
 
-EXIT_USAGE = 2
 RANDOM_MODEL_SEED = 0
 
 
-class CLIError(Exception):
-    """An error reported to the user as one line, exit status 2."""
+EXAMPLES = """examples:
+  mcserve generate --prompt "Hello"           random untrained model (noise), no download
+  mcserve generate MODEL_DIR --prompt "Hello"  a checkpoint directory
+  mcserve serve MODEL_DIR --port 8000          OpenAI-compatible HTTP server
+  mcserve eval ppl MODEL_DIR --data text.txt   perplexity with and without post-hoc MC
 
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255 (the random model's vocabulary)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        if ids and max(ids) >= self.vocab_size:
-            raise CLIError(
-                f"the prompt has byte {max(ids)} but the model's vocab_size is {self.vocab_size} "
-                "and the checkpoint has no tokenizer.json"
-            )
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A ``tokenizer.json`` read with the ``tokenizers`` library."""
-
-    def __init__(self, file: Path):
-        from tokenizers import Tokenizer
-
-        try:
-            self.tok = Tokenizer.from_file(str(file))
-        except Exception as e:  # tokenizers raises plain Exception subclasses
-            raise CLIError(f"{file} is not a valid tokenizer file: {_first_line(e)}") from None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {val}")
-    return val
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not val >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return val
+'mcserve COMMAND --help' describes each command's options."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``mcserve`` parser with its sub-commands (builds without importing torch)."""
     parser = argparse.ArgumentParser(
         prog="mcserve",
         description="Inference engine for recurrent language models with Memory Caching.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mcserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     gen = sub.add_parser(
-        "generate", help="continue a prompt",
-        description="Continue a prompt. Without MODEL_DIR a small randomly initialised model "
+        "generate", help="continue a prompt (prints the new text)",
+        description="Continue a prompt through the engine and print the new text on stdout "
+        "(a timing line goes to stderr). Without MODEL_DIR a small randomly initialised model "
         "(untrained, byte-level) is used, so the text is noise.",
     )
     gen.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
-                     help="checkpoint directory (config.json + model.safetensors); "
-                     "default: a small random model")
+                     help="checkpoint directory: mcserve's own, transformers or mamba_ssm Mamba2; "
+                     "its tokenizer.json is used when there is one, else UTF-8 bytes "
+                     "(default: a small random model)")
     gen.add_argument("--prompt", default="Hello", help="prompt text (default: %(default)r)")
-    gen.add_argument("--max-tokens", type=_positive_int, default=32,
-                     help="new tokens to generate (default: %(default)s)")
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
+    gen.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
+                     help="new tokens to generate at most; generation stops earlier at the "
+                     "end-of-sequence token (default: %(default)s)")
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                      help="sampling temperature; 0 is greedy (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed for --temperature > 0 (default: the engine's seed, 0)")
     gen.set_defaults(func=cmd_generate)
 
     from mcserve.server.cli_serve import add_serve_parser
@@ -123,49 +79,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(model_dir: str | None):
-    """(model, tokenizer, description) for MODEL_DIR, or the random model when None."""
+def _load(model_dir: str | None) -> tuple[Any, Any, str, bool]:
+    """(model, tokenizer, description, has tokenizer.json) for MODEL_DIR, or the random model
+    when None."""
     import torch
 
     from mcserve.config import ModelConfig
+    from mcserve.engine.tokenizer import Tokenizer, load_tokenizer
     from mcserve.models.checkpoint import CheckpointError
     from mcserve.models.native import MCForCausalLM
 
     if model_dir is None:
         torch.manual_seed(RANDOM_MODEL_SEED)
         model = MCForCausalLM(ModelConfig()).eval()
-        return model, ByteTokenizer(model.config.vocab_size), "random untrained model"
+        return model, Tokenizer.byte_level(), "random untrained model", False
     from mcserve.models.registry import load_model
 
     try:  # any supported checkpoint: mcserve's own, Mamba2 (transformers or mamba_ssm layout)
         model = load_model(model_dir)
+        tok = load_tokenizer(model_dir)
     except (CheckpointError, ValueError, OSError) as e:
-        raise CLIError(_first_line(e)) from None
-    tok_file = Path(model_dir) / "tokenizer.json"
-    tok = HFTokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(model.config.vocab_size)
-    return model.eval(), tok, str(model_dir)
+        raise CLIError(first_line(e)) from None
+    return model.eval(), tok, str(model_dir), (Path(model_dir) / "tokenizer.json").is_file()
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    model, tok, what = _load(args.model_dir)
-    ids = tok.encode(args.prompt)
+def _prompt_ids(model: Any, tok: Any, prompt: str, has_tokenizer: bool) -> list[int]:
+    ids = tok.encode(prompt)
+    vocab = model.config.vocab_size
+    if not has_tokenizer and ids and max(ids) >= vocab:
+        raise CLIError(f"the prompt has byte {max(ids)} but the model's vocab_size is {vocab} "
+                       "and the checkpoint has no tokenizer.json")
     if not ids:
         bos = model.config.bos_token_id
         if bos is None:
             raise CLIError("the prompt is empty and the model has no bos_token_id")
         ids = [bos]
-    start = time.perf_counter()
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``mcserve generate``: one prompt through the engine (``mcserve.engine.llm.LLM``)."""
+    model, tok, what, has_tokenizer = _load(args.model_dir)
+    ids = _prompt_ids(model, tok, args.prompt, has_tokenizer)
+
+    from mcserve.config import EngineConfig
+    from mcserve.engine.llm import LLM
+    from mcserve.engine.llm_engine import LLMEngine
+    from mcserve.engine.sampling import SamplingParams
+
+    eos = model.config.eos_token_id
     try:
-        new = model.generate(
-            ids, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-            eos_token_id=model.config.eos_token_id,
-        )
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed, stop_token_ids=[eos] if eos is not None else None)
+        config = EngineConfig(max_num_seqs=1, max_model_len=len(ids) + args.max_tokens)
+        llm = LLM(engine=LLMEngine(config, model=model, tokenizer=tok, model_name=what))
+        start = time.perf_counter()
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
     except ValueError as e:
-        raise CLIError(_first_line(e)) from None
-    elapsed = time.perf_counter() - start
+        raise CLIError(first_line(e)) from None
+    if out.error:
+        raise CLIError(out.error)
+    new = out.outputs[0].token_ids
     if hasattr(sys.stdout, "reconfigure"):  # never fail on a terminal that is not UTF-8
         sys.stdout.reconfigure(errors="replace")
-    sys.stdout.write(tok.decode(new) + "\n")
+    sys.stdout.write(llm.tokenizer.decode(new) + "\n")
     sys.stdout.flush()
     rate = len(new) / elapsed if elapsed > 0 else float("inf")
     print(

@@ -11,7 +11,7 @@ import torch
 
 from mcserve.config import ModelConfig
 from mcserve.eval.cli import main
-from mcserve.eval.common import Runner, parse_settings
+from mcserve.eval.common import EvalModel, parse_settings
 from mcserve.eval.passkey import build_prompt
 from mcserve.eval.ppl import default_buckets, window_nll
 from mcserve.models.mamba2 import Mamba2Config, Mamba2MCForCausalLM
@@ -149,13 +149,13 @@ def test_settings_and_helpers(models):
     assert "The pass key is 12345." in text and text.endswith("The pass key is")
     assert build_prompt(tok, 400, 0.0, 12345)[:len(ids) // 2] != ids[:len(ids) // 2]
 
-    # chunking and the reset runner: any chunk size gives the same NLL
+    # chunking and the reset EvalModel: any chunk size gives the same NLL
     from mcserve.models.registry import load_model
 
     model = load_model(models / "mamba2")
     x = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(1))
     for reset in (None, 8):
-        a = window_nll(model, x, y, Runner(model, reset_every=reset, chunk=30))
-        b = window_nll(model, x, y, Runner(model, reset_every=reset, chunk=3))
+        a = window_nll(model, x, y, EvalModel(model, reset_every=reset, chunk=30))
+        b = window_nll(model, x, y, EvalModel(model, reset_every=reset, chunk=3))
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -29,14 +29,76 @@ def test_packed_matches_linear(rows, bias, hint):
         assert _rel(y, F.linear(x, w, b)) < 1e-5
 
 
-def test_packed_bf16_and_batched_shapes():
+def test_packed_batched_shapes():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 48, generator=g)
     x = torch.randn(2, 5, 48, generator=g)
     assert _rel(pl.packed_linear(x, pl.pack_weight(w), None), F.linear(x, w)) < 1e-5
-    wb, xb = w.bfloat16(), x.bfloat16()
+
+
+def _bf16_skip_reason() -> str:
+    return f"bfloat16 oneDNN packing unavailable: {pl.bf16_unsupported_reason()}"
+
+
+def test_packed_bf16(monkeypatch):
+    monkeypatch.delenv(pl.NO_BF16_PACKING_ENV, raising=False)
+    monkeypatch.setattr(pl, "force_bf16_fallback", False)
+    if not pl.bf16_packing_supported():  # e.g. an AVX2-only CPU: say which feature is missing
+        pytest.skip(_bf16_skip_reason())
+    g = torch.Generator().manual_seed(0)
+    wb = torch.randn(64, 48, generator=g).bfloat16()
+    xb = torch.randn(2, 5, 48, generator=g).bfloat16()
     y = pl.packed_linear(xb, pl.pack_weight(wb), None)
     assert y.dtype == torch.bfloat16 and _rel(y, F.linear(xb, wb)) < 2e-2
+    lin = nn.Linear(48, 64).bfloat16()
+    assert pl.pack_linears(lin, min_numel=1) == 1 and pl.is_packed(lin)
+
+
+def _bf16_model() -> nn.Sequential:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32, bias=False)).bfloat16()
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_forced_bf16_fallback_keeps_plain_linears(how, monkeypatch):
+    """With the fallback forced (as on a CPU without AVX-512 BF16 support) bfloat16 linears are
+    left plain and compute what nn.Linear computes; float32 ones are still packed."""
+    if how == "flag":
+        monkeypatch.setattr(pl, "force_bf16_fallback", True)
+    else:
+        monkeypatch.setenv(pl.NO_BF16_PACKING_ENV, "1")
+    assert not pl.bf16_packing_supported()
+    assert pl.NO_BF16_PACKING_ENV in pl.bf16_unsupported_reason()
+    model = _bf16_model()
+    x = torch.randn(3, 5, 48).bfloat16()
+    with torch.no_grad():
+        want = model(x)
+        assert pl.pack_linears(model, min_numel=1) == 0  # bf16: nothing wrapped
+        assert not any(pl.is_packed(m) for m in model)
+        got = model(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    f32 = nn.Linear(48, 64)
+    assert pl.pack_linears(f32, min_numel=1) == 1 and pl.is_packed(f32)
+
+
+def test_bf16_packed_and_plain_agree(monkeypatch):
+    """Packed where the CPU can, plain where the fallback is forced: the same outputs (to bf16
+    rounding); the packed half skips, naming the missing CPU feature, where unsupported."""
+    x = torch.randn(4, 48).bfloat16()
+    monkeypatch.setattr(pl, "force_bf16_fallback", True)
+    plain = _bf16_model()
+    pl.pack_linears(plain, min_numel=1)
+    with torch.no_grad():
+        y_plain = plain(x)
+    monkeypatch.setattr(pl, "force_bf16_fallback", False)
+    monkeypatch.delenv(pl.NO_BF16_PACKING_ENV, raising=False)
+    if not pl.bf16_packing_supported():
+        pytest.skip(_bf16_skip_reason())
+    packed = _bf16_model()
+    assert pl.pack_linears(packed, min_numel=1) == 2
+    with torch.no_grad():
+        y_packed = packed(x)
+    assert _rel(y_packed, y_plain) < 2e-2
 
 
 def test_pack_inference_mode_weights():

@@ -24,6 +24,7 @@ __all__ = [
     "IncrementalDetokenizer",
     "Tokenizer",
     "find_stop",
+    "load_tokenizer",
     "stop_holdback",
 ]
 
@@ -199,10 +200,6 @@ class Tokenizer:
     # --- vocabulary ----------------------------------------------------------------------------
 
     @property
-    def is_byte_level(self) -> bool:
-        return self._backend is None
-
-    @property
     def vocab_size(self) -> int:
         if self._backend is None:
             return 256
@@ -360,9 +357,6 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
-    def add_many(self, token_ids: Sequence[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
-
     def flush(self) -> str:
         """Emit whatever is held back (e.g. a trailing incomplete character, as U+FFFD)."""
         if self._read == len(self._ids):
@@ -373,6 +367,24 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint: ``tokenizer_dir`` when given (it must hold a
+    ``tokenizer.json``), else ``model_dir``'s ``tokenizer.json`` when there is one, else
+    :meth:`Tokenizer.byte_level`.
+
+    Raises FileNotFoundError when ``tokenizer_dir`` has no ``tokenizer.json`` and ValueError for
+    an unreadable tokenizer file or config."""
+    if tokenizer_dir is not None:
+        return Tokenizer.from_dir(tokenizer_dir)
+    path = Path(model_dir)
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(path)
+    return Tokenizer.byte_level()
 
 
 # --- stop strings --------------------------------------------------------------------------------

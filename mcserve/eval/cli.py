@@ -2,14 +2,23 @@
 
 Hook into the main CLI with ``add_eval_parser(subparsers)``; each subcommand sets
 ``func=cmd_eval_ppl`` / ``cmd_eval_passkey`` (``args -> exit status``). Errors raise
-``mcserve.cli.CLIError`` (one line on stderr, status 2). ``python -m mcserve.eval`` runs the same
-commands without the rest of the CLI.
+``mcserve.cli_args.CLIError`` (one line on stderr, status 2). ``python -m mcserve.eval`` runs
+the same commands without the rest of the CLI.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from mcserve.cli_args import (
+    DEVICE_HELP,
+    EXIT_USAGE,
+    CLIError,
+    check_device,
+    first_line,
+    positive_int,
+)
 
 DEFAULT_LENGTHS = "512,1024,2048,4096"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -25,21 +34,25 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "(else 2048), MODE to independent for post and checkpoint otherwise; the model "
                    "as is is always evaluated; '' for none (default: %(default)s)")
     p.add_argument("--tokenizer", metavar="DIR",
-                   help="directory with tokenizer.json (default: MODEL's, else bytes)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--chunk", type=int, default=1024,
-                   help="tokens per forward call (memory vs speed; results do not depend on it)")
-    p.add_argument("--batch-size", type=int, default=1, help="windows/prompts run together")
+                   help="directory with tokenizer.json (default: MODEL's own tokenizer.json, "
+                   "else UTF-8 bytes as token ids)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
+                   help="weights and activations (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
+    p.add_argument("--chunk", type=positive_int, default=1024, metavar="TOKENS",
+                   help="tokens per forward call: memory versus speed, the results do not "
+                   "depend on it (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=1, metavar="N",
+                   help="windows (ppl) or prompts (passkey) run together (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="draw the results with matplotlib")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``eval`` (with ``ppl`` and ``passkey``) to an argparse subparsers object."""
     ev = subparsers.add_parser(
-        "eval", help="perplexity by context position and passkey retrieval, with post-hoc MC",
+        "eval", help="perplexity and passkey retrieval, with and without post-hoc MC",
         description="Evaluate a checkpoint with and without post-hoc Memory Caching.")
     sub = ev.add_subparsers(dest="eval_command", metavar="EVAL", required=True)
 
@@ -51,9 +64,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     _common(ppl)
     ppl.add_argument("--data", required=True, metavar="FILE",
                      help=".txt, .jsonl of texts, or .bin of uint16 token ids")
-    ppl.add_argument("--lengths", default=DEFAULT_LENGTHS,
-                     help="window lengths in tokens (default: %(default)s)")
-    ppl.add_argument("--max-windows", type=int, default=8,
+    ppl.add_argument("--lengths", default=DEFAULT_LENGTHS, metavar="LIST",
+                     help="comma-separated window lengths in tokens (default: %(default)s)")
+    ppl.add_argument("--max-windows", type=positive_int, default=8, metavar="N",
                      help="windows per length at most (default: %(default)s)")
     ppl.add_argument("--buckets", metavar="EDGES",
                      help="position bucket edges, e.g. 0,256,512,1024 (default: 0, L/2, L, 2L, "
@@ -68,43 +81,32 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "greedy decoding; accuracy per length x depth for the model as is and each --mc "
         "setting.")
     _common(pk)
-    pk.add_argument("--lengths", default="256,512,1024,2048",
-                    help="prompt lengths in tokens (default: %(default)s)")
-    pk.add_argument("--depths", default=DEFAULT_DEPTHS,
-                    help="needle depths in [0, 1] (default: %(default)s)")
-    pk.add_argument("--trials", type=int, default=5, help="keys per cell (default: %(default)s)")
-    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument("--lengths", default="256,512,1024,2048", metavar="LIST",
+                    help="comma-separated prompt lengths in tokens (default: %(default)s)")
+    pk.add_argument("--depths", default=DEFAULT_DEPTHS, metavar="LIST",
+                    help="comma-separated needle depths in [0, 1]; 0 is the start of the filler "
+                    "(default: %(default)s)")
+    pk.add_argument("--trials", type=positive_int, default=5, metavar="N",
+                    help="keys per length x depth cell (default: %(default)s)")
+    pk.add_argument("--seed", type=int, default=0,
+                    help="seed of the keys and filler (default: %(default)s)")
     pk.add_argument("--reset", action="store_true",
                     help="also run the segment-reset baseline for each MC segment length")
     pk.set_defaults(func=cmd_eval_passkey)
     return ev
 
 
-def _error(msg: str):
-    from mcserve.cli import CLIError
+def _prepare(args: argparse.Namespace) -> tuple:
+    from mcserve.eval.common import default_segment_len, load, parse_settings
 
-    return CLIError(msg)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _prepare(args):
-    from mcserve.eval.common import default_segment_len, load_tokenizer, parse_settings
-    from mcserve.models.registry import load_model
-
-    for name in ("chunk", "batch_size"):
-        if getattr(args, name) < 1:
-            raise _error(f"--{name.replace('_', '-')} must be >= 1")
+    check_device(args.device)
     try:
-        model = load_model(args.model, dtype=args.dtype, device=args.device)
-        tok = load_tokenizer(args.tokenizer or args.model)
+        model, tok = load(args.model, dtype=args.dtype, device=args.device,
+                          tokenizer=args.tokenizer)
         with_reset = not args.no_reset if hasattr(args, "no_reset") else args.reset
         settings = parse_settings(args.mc, default_segment_len(model), with_reset=with_reset)
     except (ValueError, OSError) as e:
-        raise _error(_first_line(e)) from None
+        raise CLIError(first_line(e)) from None
     return model, tok, settings
 
 
@@ -119,7 +121,7 @@ def _finish(args, report, format_table, plot) -> int:
         try:
             plot(report, args.plot, title=str(args.model))
         except ImportError:
-            raise _error("--plot needs matplotlib (pip install matplotlib)") from None
+            raise CLIError("--plot needs matplotlib (pip install matplotlib)") from None
     return 0
 
 
@@ -134,14 +136,12 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         tokenize_texts,
     )
 
-    if args.max_windows < 1:
-        raise _error("--max-windows must be >= 1")
     try:
         lengths = parse_int_list(args.lengths, "--lengths")
         buckets = (sorted({0, *[int(x) for x in args.buckets.split(",") if x.strip()]})
                    if args.buckets else None)
     except ValueError as e:
-        raise _error(_first_line(e)) from None
+        raise CLIError(first_line(e)) from None
     model, tok, settings = _prepare(args)
     try:
         if str(args.data).endswith(".bin"):
@@ -155,7 +155,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
                               batch_size=args.batch_size, chunk=args.chunk, buckets=buckets,
                               show_progress=not args.no_progress)
     except ValueError as e:
-        raise _error(_first_line(e)) from None
+        raise CLIError(first_line(e)) from None
     report.update(model=str(args.model), data=str(args.data), dtype=args.dtype,
                   device=args.device)
     return _finish(args, report, format_table, plot)
@@ -165,28 +165,24 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
     from mcserve.eval.common import parse_float_list, parse_int_list
     from mcserve.eval.passkey import evaluate_passkey, format_table, plot
 
-    if args.trials < 1:
-        raise _error("--trials must be >= 1")
     try:
         lengths = parse_int_list(args.lengths, "--lengths")
         depths = parse_float_list(args.depths, "--depths")
     except ValueError as e:
-        raise _error(_first_line(e)) from None
+        raise CLIError(first_line(e)) from None
     model, tok, settings = _prepare(args)
     try:
         report = evaluate_passkey(model, tok, lengths, depths, settings, trials=args.trials,
                                   seed=args.seed, chunk=args.chunk, batch_size=args.batch_size,
                                   show_progress=not args.no_progress)
     except ValueError as e:
-        raise _error(_first_line(e)) from None
+        raise CLIError(first_line(e)) from None
     report.update(model=str(args.model), dtype=args.dtype, device=args.device)
     return _finish(args, report, format_table, plot)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mcserve.eval ppl|passkey ...`` (the same as ``mcserve eval ...``)."""
-    from mcserve.cli import CLIError
-
     parser = argparse.ArgumentParser(prog="mcserve")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_eval_parser(sub)
@@ -195,4 +191,4 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CLIError as e:
         print(f"mcserve: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE

@@ -3,7 +3,7 @@
 A *setting* is how the model is run:
 
 * ``as-is``: the checkpoint's own configuration (for an imported Mamba2: no MC);
-* ``reset:C``: the "segment reset" baseline of QUALITY-NOTES.md: no MC, and the recurrent memory
+* ``reset:C``: the "segment reset" baseline: no MC, and the recurrent memory
   restarts from its initial state every C tokens (the short-conv tail runs on), i.e. what
   independent mode computes without reading any cached memory;
 * ``VARIANT[:C[:MODE[:TOP_K]]]``: post-hoc MC (``post``, ``grm``, ``ssc``, ``loglinear``,
@@ -148,20 +148,15 @@ def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> 
 
 
 # ---------------------------------------------------------------------------- models
-def load(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) from a checkpoint directory of any supported format."""
+def load(path: str | Path, *, dtype: str = "float32", device: str = "cpu",
+         tokenizer: str | Path | None = None) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) from a checkpoint directory of any supported format; the tokenizer is
+    ``mcserve.engine.tokenizer.load_tokenizer(path, tokenizer)``."""
+    from mcserve.engine.tokenizer import load_tokenizer
     from mcserve.models.registry import load_model
 
     model = load_model(path, dtype=dtype, device=device)
-    return model, load_tokenizer(path)
-
-
-def load_tokenizer(path: str | Path):
-    from mcserve.engine.tokenizer import Tokenizer
-
-    path = Path(path)
-    return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() \
-        else Tokenizer.byte_level()
+    return model, load_tokenizer(path, tokenizer)
 
 
 def default_segment_len(model: nn.Module) -> int:
@@ -179,9 +174,10 @@ def model_for(base: nn.Module, setting: Setting) -> nn.Module:
     return apply_mc(base, setting.overrides()).eval()
 
 
-class Runner:
-    """Feeds tokens through a model in chunks, restarting the memory every ``reset_every``
-    tokens (the segment-reset baseline). Any chunking gives the same result."""
+class EvalModel:
+    """A model as the evaluations run it (not the serving engine's ``ModelRunner``): tokens fed
+    in chunks, the memory restarted every ``reset_every`` tokens (the segment-reset baseline).
+    Any chunking gives the same result."""
 
     def __init__(self, model: nn.Module, reset_every: int | None = None, chunk: int = 1024):
         self.model = model

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mcserve.eval.common import Runner, Setting, model_for, progress
+from mcserve.eval.common import EvalModel, Setting, model_for, progress
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about the important information there.\n")
@@ -60,17 +60,17 @@ def _answer(text: str) -> str | None:
 
 
 @torch.no_grad()
-def greedy(runner: Runner, prompts: torch.Tensor, max_new: int) -> list[list[int]]:
+def greedy(em: EvalModel, prompts: torch.Tensor, max_new: int) -> list[list[int]]:
     """Greedy continuation of a batch of equal-length prompts ``(B, T)``."""
-    model = runner.model
-    last, state = runner.feed(prompts.to(model.device), None, 0)
+    model = em.model
+    last, state = em.feed(prompts.to(model.device), None, 0)
     pos = prompts.shape[1]
     out: list[list[int]] = [[] for _ in range(prompts.shape[0])]
     for _ in range(max_new):
         nxt = last.float().argmax(-1)  # (B,)
         for row, t in zip(out, nxt.tolist()):
             row.append(t)
-        last, state = runner.feed(nxt[:, None], state, pos)
+        last, state = em.feed(nxt[:, None], state, pos)
         pos += 1
     return out
 
@@ -99,7 +99,7 @@ def evaluate_passkey(
         for setting in settings:
             model = model_for(base, setting)
             reset = setting.segment_len if setting.kind == "reset" else None
-            runner = Runner(model, reset_every=reset, chunk=chunk)
+            em = EvalModel(model, reset_every=reset, chunk=chunk)
             answers: dict[tuple, tuple[str, bool]] = {}
             groups: dict[int, list] = {}
             for c in cases:
@@ -109,7 +109,7 @@ def evaluate_passkey(
                 for g0 in range(0, len(group), batch_size):
                     part = group[g0:g0 + batch_size]
                     bar.set_postfix_str(f"{setting.name} L={part[0][0]}")
-                    gen = greedy(runner, torch.tensor([c[4] for c in part]), max_new)
+                    gen = greedy(em, torch.tensor([c[4] for c in part]), max_new)
                     for c, toks in zip(part, gen):
                         text = tokenizer.decode(toks)
                         answers[c[:3]] = (text, _answer(text) == str(c[3]))

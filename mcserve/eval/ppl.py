@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcserve.eval.common import Runner, Setting, model_for, progress
+from mcserve.eval.common import EvalModel, Setting, model_for, progress
 
 
 # ---------------------------------------------------------------------------- data
@@ -103,7 +103,7 @@ def default_buckets(lengths: list[int]) -> list[int]:
 
 # ---------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def window_nll(model: nn.Module, windows: torch.Tensor, targets: torch.Tensor, runner: Runner
+def window_nll(model: nn.Module, windows: torch.Tensor, targets: torch.Tensor, em: EvalModel
                ) -> torch.Tensor:
     """Per-position NLL ``(B, L)`` (float64) of ``targets`` given ``windows``."""
     B, L = windows.shape
@@ -116,7 +116,7 @@ def window_nll(model: nn.Module, windows: torch.Tensor, targets: torch.Tensor, r
                              reduction="none")
         out[:, t0:t0 + n] = lp.view(B, n).double().cpu()
 
-    runner.feed(windows.to(model.device), None, 0, on_logits)
+    em.feed(windows.to(model.device), None, 0, on_logits)
     return out
 
 
@@ -145,7 +145,7 @@ def evaluate_ppl(
         for setting in settings:
             model = model_for(base, setting)
             reset = setting.segment_len if setting.kind == "reset" else None
-            runner = Runner(model, reset_every=reset, chunk=chunk)
+            em = EvalModel(model, reset_every=reset, chunk=chunk)
             for L in lengths:
                 n_win = plan[L]
                 nll_sum = torch.zeros(L, dtype=torch.float64)
@@ -155,7 +155,7 @@ def evaluate_ppl(
                     win = torch.stack([data[w * (L + 1): w * (L + 1) + L] for w in ws])
                     tgt = torch.stack([data[w * (L + 1) + 1: w * (L + 1) + L + 1] for w in ws])
                     bar.set_postfix_str(f"{setting.name} L={L}")
-                    nll_sum += window_nll(model, win, tgt, runner).sum(0)
+                    nll_sum += window_nll(model, win, tgt, em).sum(0)
                     bar.update(L * len(ws))
                 elapsed = time.perf_counter() - t_start
                 mean = nll_sum / n_win

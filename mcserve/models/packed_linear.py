@@ -21,9 +21,18 @@ linears at one row: 38.5 ms through ``F.linear``, 34.9 ms packed, 22.9 ms C++, o
 Anything else takes ``F.linear``, the plain twin with the same signature
 (``tests/test_packed_linear.py`` compares the two). The packed copy doubles the weights' memory
 (only weights of at least ``MIN_NUMEL`` elements are packed).
+
+bfloat16 weights are packed only where oneDNN can reorder them: that needs AVX-512 (BW, VL and
+DQ) or AVX-NE-CONVERT, which many CPUs (AVX2-only AMD EPYC, older Intel) lack; there bfloat16
+linears stay plain ``nn.Linear``. :func:`bf16_packing_supported` probes this once per process.
+Setting ``MCSERVE_NO_BF16_PACKING=1`` (or the module flag ``force_bf16_fallback``) forces the
+plain path everywhere.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +42,53 @@ from mcserve.kernels import cpu as cpu_ops
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
+#: environment variable that, set to anything but "" or "0", keeps bfloat16 linears unpacked
+NO_BF16_PACKING_ENV = "MCSERVE_NO_BF16_PACKING"
+#: True: bfloat16 linears are never packed (as if the CPU could not), whatever the probe says
+force_bf16_fallback = False
+
 
 def available() -> bool:
     """True when this torch build has the oneDNN linear ops (x86 CPU builds do)."""
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@functools.cache
+def _bf16_probe() -> str | None:
+    """None when oneDNN packs and multiplies a bfloat16 weight on this CPU, else why not."""
+    if not available():
+        return "this torch build has no oneDNN (x86 CPU) linear ops"
+    try:
+        w = torch.ones(16, 16, dtype=torch.bfloat16)
+        y = packed_linear(torch.ones(3, 16, dtype=torch.bfloat16), pack_weight(w), None)
+        if not bool((y == 16).all()):
+            return "oneDNN's bfloat16 linear gave a wrong result on this CPU"
+    except RuntimeError as e:
+        text = str(e).strip().splitlines()
+        return (f"this CPU cannot run oneDNN's bfloat16 linear (it needs avx512bw, avx512vl and "
+                f"avx512dq, or avx_ne_convert; torch reports CPU capability "
+                f"{torch.backends.cpu.get_cpu_capability()}): {text[0] if text else 'error'}")
+    return None
+
+
+def bf16_fallback_forced() -> bool:
+    """True when ``force_bf16_fallback`` or ``$MCSERVE_NO_BF16_PACKING`` asks for plain bf16."""
+    return force_bf16_fallback or os.environ.get(NO_BF16_PACKING_ENV, "") not in ("", "0")
+
+
+def bf16_unsupported_reason() -> str | None:
+    """Why bfloat16 weights are not packed here (the missing CPU feature, or the override), or
+    None when they are."""
+    if bf16_fallback_forced():
+        return f"bfloat16 packing is switched off ({NO_BF16_PACKING_ENV} / force_bf16_fallback)"
+    return _bf16_probe()
+
+
+def bf16_packing_supported() -> bool:
+    """True when bfloat16 ``nn.Linear`` weights can be packed on this CPU (probed once)."""
+    return bf16_unsupported_reason() is None
 
 
 def pack_weight(weight: Tensor, batch_hint: int = 8) -> Tensor:
@@ -98,8 +148,9 @@ def is_packed(module: nn.Module) -> bool:
 def pack_linears(model: nn.Module, batch_hint: int = 8, min_numel: int = MIN_NUMEL) -> int:
     """Route every CPU float32/bfloat16 ``nn.Linear`` of ``model`` through the fast paths of the
     module docstring: a packed copy of weights with at least ``min_numel`` elements (when oneDNN
-    is there) and the C++ matrix-vector product for one or two rows (float32, when built);
-    returns how many linears were wrapped. Idempotent."""
+    is there; bfloat16 only where :func:`bf16_packing_supported`) and the C++ matrix-vector
+    product for one or two rows (float32, when built); returns how many linears were wrapped.
+    Idempotent."""
     onednn, gemv = available(), cpu_ops.enabled()
     if not (onednn or gemv):
         return 0
@@ -107,7 +158,8 @@ def pack_linears(model: nn.Module, batch_hint: int = 8, min_numel: int = MIN_NUM
     for m in model.modules():
         if (isinstance(m, nn.Linear) and m.weight.is_cpu and m.weight.dtype in _DTYPES
                 and not isinstance(m.__dict__.get("forward"), _PackedForward)):
-            pack = onednn and m.weight.numel() >= min_numel
+            pack = onednn and m.weight.numel() >= min_numel and (
+                m.weight.dtype != torch.bfloat16 or bf16_packing_supported())
             if pack or (gemv and m.weight.dtype == torch.float32):
                 m.forward = _PackedForward(m, batch_hint, pack)
                 n += 1

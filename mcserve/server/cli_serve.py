@@ -25,16 +25,54 @@ import shlex
 import sys
 from typing import Any
 
-from mcserve.cli import _non_negative_float, _positive_int
+from mcserve.cli_args import (
+    DEVICE_HELP,
+    EXIT_USAGE,
+    CLIError,
+    check_device,
+    first_line,
+    non_negative_float,
+    positive_int,
+)
 
 logger = logging.getLogger("mcserve.server")
 
 API_KEY_ENV = "MCSERVE_API_KEY"
-_SERVE_ONLY = {
-    "host", "port", "api_key", "served_model_name", "max_waiting_requests", "max_body_bytes",
-    "shutdown_timeout", "log_level", "access_log", "http", "loop", "func", "command",
-    "_engine_flags",
+
+# help of the engine flags (one per EngineConfig field); a field missing here gets a generic one
+_ENGINE_HELP = {
+    "tokenizer": ("directory with tokenizer.json", "MODEL's own tokenizer.json, else UTF-8 bytes"),
+    "max_num_seqs": ("sequences decoded together in one engine step", None),
+    "max_num_batched_tokens": ("token budget of one engine step, prefill chunks and decodes "
+                               "together",
+                               None),
+    "max_model_len": ("most tokens (prompt + generated) of one sequence", None),
+    "num_state_blocks": ("device pool of cached segment states (each holds all layers)",
+                         "sized from --max-num-seqs x --max-model-len, capped by "
+                         "--state-cache-mib; none for variants that cache nothing"),
+    "state_cache_mib": ("memory budget in MiB of the automatically sized state pool", None),
+    "cpu_packed_weights": ("on CPU, run linear layers through oneDNN-packed copies of their "
+                           "weights (faster, twice the weight memory)", None),
+    "host_state_blocks": ("host-memory tier for the state blocks of preempted sequences "
+                          "(0: recompute them instead)", None),
+    "enable_prefix_caching": ("reuse the cached segment states of a shared prompt prefix",
+                              None),
+    "dtype": ("weights and activations", None),
+    "device": (DEVICE_HELP, None),
+    "seed": ("sampling seed of requests that bring none", None),
+    "mc_variant": ("Memory Caching variant", "the checkpoint's config.json"),
+    "mc_mode": ("Memory Caching mode", "the checkpoint's config.json"),
+    "segment_len": ("Memory Caching segment length in tokens", "the checkpoint's config.json"),
+    "mc_top_k": ("cached segments ssc reads per token", "the checkpoint's config.json"),
 }
+_METAVARS = {"tokenizer": "DIR", "dtype": "DTYPE", "device": "DEVICE"}
+
+
+def _engine_choices() -> dict[str, tuple[str, ...]]:
+    from mcserve import config
+
+    return {"dtype": tuple(getattr(config, "_DTYPES", ("float32", "float64", "bfloat16"))),
+            "mc_variant": config.VARIANTS, "mc_mode": config.MODES}
 
 
 def _port(text: str) -> int:
@@ -47,10 +85,12 @@ def _port(text: str) -> int:
     return val
 
 
-def _add_engine_args_fallback(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per ``EngineConfig`` field (when the engine has no ``add_engine_args``)."""
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``EngineConfig`` field (but ``model``), in an "engine" group; a flag
+    not given keeps the field's default."""
     from mcserve.config import EngineConfig
 
+    choices = _engine_choices()
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model" or not f.init:
@@ -58,7 +98,14 @@ def _add_engine_args_fallback(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         ann = str(f.type).replace(" ", "")
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"(engine) default: {default!r}"
+        what, none_means = _ENGINE_HELP.get(f.name, (f"engine setting {f.name}", None))
+        if default is None:
+            shown = none_means or "none"
+        elif isinstance(default, bool):
+            shown = "on" if default else "off"
+        else:
+            shown = str(default)
+        help_text = f"{what} (default: {shown})"
         if ann == "bool":
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
@@ -69,16 +116,9 @@ def _add_engine_args_fallback(parser: argparse.ArgumentParser) -> None:
         elif ann.startswith("float"):
             typ = float
         group.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
-                           help=help_text)
-
-
-def _engine_arg_adder() -> Any:
-    """The engine's own ``add_engine_args(parser)`` when ``mcserve.config`` has one, else None
-    (then one flag per ``EngineConfig`` field). Only the light config module is imported here,
-    so that building the ``mcserve`` parser never imports torch."""
-    from mcserve import config
-
-    return getattr(config, "add_engine_args", None)
+                           choices=choices.get(f.name), help=help_text,
+                           metavar=None if f.name in choices else _METAVARS.get(
+                               f.name, "N" if typ is not str else "VALUE"))
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -93,35 +133,34 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def configure_serve_parser(p: argparse.ArgumentParser) -> None:
-    adder = _engine_arg_adder()
-    if adder is not None:
-        adder(p)
-    else:
-        _add_engine_args_fallback(p)
-    p.set_defaults(_engine_flags="engine" if adder is not None else "fallback")
-    if not any(a.dest == "model" for a in p._actions):
-        p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="checkpoint directory; default: the embedded default model")
+    """The ``serve`` arguments on ``p``: MODEL, the engine flags and the server flags."""
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory: mcserve's own, transformers or mamba_ssm Mamba2 "
+                   "(default: the embedded default model)")
+    add_engine_args(p)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 for every interface (default: %(default)s)")
     s.add_argument("--port", type=_port, default=8000,
                    help="port to bind; 0 picks a free one (default: %(default)s)")
-    s.add_argument("--api-key", default=None,
+    s.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
-                   f"/detokenize (default: ${API_KEY_ENV} if set, else no key)")
-    s.add_argument("--served-model-name", default=None,
+                   f"/detokenize (default: ${API_KEY_ENV} if set, else no key; prefer the "
+                   f"variable: a command line is visible to other users of the machine)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="model name in the API (default: the engine's model name)")
-    s.add_argument("--max-waiting-requests", type=_positive_int, default=512,
+    s.add_argument("--max-waiting-requests", type=positive_int, default=512, metavar="N",
                    help="requests that may wait for the engine before new ones get 429 "
                    "(default: %(default)s)")
-    s.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+    s.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20, metavar="BYTES",
                    help="largest request body; larger ones get 413 (default: %(default)s)")
-    s.add_argument("--shutdown-timeout", type=_non_negative_float, default=10.0,
+    s.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
+                   metavar="SECONDS",
                    help="seconds running requests get to finish on SIGTERM before they are "
                    "aborted (default: %(default)s)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
-                   help="(default: %(default)s)")
+                   help="log verbosity (default: %(default)s)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
                    help="uvicorn's HTTP implementation (default: %(default)s: httptools when "
@@ -132,31 +171,34 @@ def configure_serve_parser(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
-    """``EngineConfig`` from the parsed flags (``EngineConfig.from_cli`` when it exists)."""
+    """``EngineConfig`` from the parsed flags (MODEL and the engine group)."""
     from mcserve.config import EngineConfig
 
-    from_cli = getattr(EngineConfig, "from_cli", None)
-    if from_cli is not None and getattr(args, "_engine_flags", "engine") == "engine":
-        return from_cli(args)
     names = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
-    kwargs = {k: v for k, v in vars(args).items() if k in names and k not in _SERVE_ONLY}
-    return EngineConfig(**kwargs)
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _cli_error(message: str) -> Exception:
-    try:
-        from mcserve.cli import CLIError
-    except ImportError:  # pragma: no cover
-        return SystemExit(f"mcserve: error: {message}")
-    return CLIError(message)
+def _url_host(host: str) -> str:
+    """``host`` as a client reaches it in a URL (a wildcard bind address becomes loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def curl_example(host: str, port: int, model: str, api_key: bool) -> str:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+def curl_example(host: str, port: int, model: str, api_key_from: str | None) -> str:
+    """A curl line for the running server. ``api_key_from`` is where the key came from:
+    ``"env"`` (the line reads ``$MCSERVE_API_KEY``), ``"flag"`` (a placeholder for the
+    ``--api-key`` value) or None (no key). The key itself is never printed."""
     body = json.dumps({"model": model, "prompt": "Memory caching", "max_tokens": 16})
-    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""
-    return (f"curl http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'"
-            f"{auth} -d {shlex.quote(body)}")
+    auth = ""
+    if api_key_from == "env":
+        auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"'
+    elif api_key_from is not None:
+        auth = " -H 'Authorization: Bearer <your --api-key>'"
+    return (f"curl http://{_url_host(host)}:{port}/v1/completions "
+            f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -171,14 +213,22 @@ def run_serve(args: argparse.Namespace) -> int:
         from mcserve.engine.llm_engine import LLMEngine
         from mcserve.server.app import build_app
     except ImportError as e:
-        raise _cli_error(f"the server's dependency {e.name} is missing; reinstall mcserve "
-                         "(pip install -e .)") from None
+        raise CLIError(f"the server's dependency {e.name} is missing; reinstall mcserve "
+                       "(pip install -e .)") from None
     try:
         config = engine_config_from_args(args)
+    except (ValueError, TypeError) as e:
+        raise CLIError(first_line(e)) from None
+    check_device(config.device)
+    try:
         engine = LLMEngine(config)
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        raise _cli_error(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    except (ValueError, OSError, TypeError) as e:
+        raise CLIError(first_line(e)) from None
+    if args.api_key is not None:
+        api_key, key_from = args.api_key, "flag"
+    else:
+        api_key = os.environ.get(API_KEY_ENV) or None
+        key_from = "env" if api_key is not None else None
     served = args.served_model_name or engine.model_name
     app = build_app(engine, api_key=api_key, served_model_name=served,
                     max_body_bytes=args.max_body_bytes,
@@ -205,8 +255,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     port = sock.getsockname()[1]
                     break
             logger.info("mcserve serving %s | %s | listening on http://%s:%d",
-                        served, describe, args.host, port)
-            print(curl_example(args.host, port, served, api_key is not None), flush=True)
+                        served, describe, _url_host(args.host), port)
+            print(curl_example(args.host, port, served, key_from), flush=True)
 
     config_kw: dict[str, Any] = {
         "host": args.host, "port": args.port, "log_level": args.log_level,
@@ -221,7 +271,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if server.started:
             raise
     if not server.started:
-        raise _cli_error(f"could not start the server on {args.host}:{args.port} "
+        raise CLIError(f"could not start the server on {args.host}:{args.port} "
                          "(see the error above)")
     logger.info("mcserve stopped")
     return 0
@@ -233,13 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_serve(args)
-    except SystemExit:
-        raise
-    except Exception as e:  # CLIError and friends: one line, status 2
-        if type(e).__name__ == "CLIError":
-            print(f"mcserve: error: {e}", file=sys.stderr)
-            return 2
-        raise
+    except CLIError as e:
+        print(f"mcserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":
