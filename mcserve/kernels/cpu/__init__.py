@@ -3,8 +3,10 @@
 ``ops()`` returns the compiled module, or ``None`` where it cannot be built (no C++ compiler,
 a non-x86 build, ``MCSERVE_CPU_KERNELS=0``); the reason is in ``status()``. The source is
 ``ops.cpp`` beside this file; ``torch.utils.cpp_extension.load`` compiles it once per machine
-(about half a minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) and reuses it while the source is unchanged.
+(about a minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), under a name that holds the CPU kind and the source's hash, and
+reuses it while the source is unchanged. The build runs under an ``flock`` that a killed build
+cannot leave held (``_build_lock``).
 
 The public functions below take the twin's signature (``twins.py``) and pick the C++ op when it
 is built and the inputs qualify (CPU, float32, the layouts the op expects), the twin otherwise,
@@ -55,17 +57,69 @@ def _cpu_tag() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
-def _build():
-    from torch.utils.cpp_extension import load
+def _src_tag() -> str:
+    """A short hash of the C++ source: two checkouts of different versions on one machine build
+    under different names instead of rebuilding over each other."""
+    return hashlib.sha1(_SRC.read_bytes()).hexdigest()[:8]
 
+
+def _build_name() -> tuple[str, list[str]]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
-    name = "mcserve_cpu_ops_portable"
+    name = f"mcserve_cpu_ops_portable_{_src_tag()}"
     if os.environ.get("MCSERVE_CPU_KERNELS_PORTABLE", "") != "1":
         flags.append("-march=native")  # built where it runs: use this CPU's vector width
-        name = f"mcserve_cpu_ops_{_cpu_tag()}"
-    # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
-    return load(name=name, sources=[str(_SRC)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], verbose=False)
+        name = f"mcserve_cpu_ops_{_cpu_tag()}_{_src_tag()}"
+    return name, flags
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_dir``'s lock file while building.
+
+    torch's own build lock is a file created with O_EXCL and removed when the build ends: a
+    build killed half-way (a timeout, ``docker stop``, a restart) leaves it behind, and every
+    later load waits for it forever. An ``flock`` is released by the kernel when its holder
+    dies, so a dead process never holds this one; and while we hold it no live process is
+    building here, so a leftover torch lock file is stale and is removed.
+    """
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".flock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building the mcserve CPU kernels")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build():
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    name, flags = _build_name()
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with _build_lock(build_dir):
+        fresh = not any(build_dir.glob("*.so"))
+        if fresh:
+            log.info("building mcserve CPU kernels in %s (once per machine and version: about "
+                     "a minute on 2 cores)", build_dir)
+        t0 = time.perf_counter()
+        # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
+        mod = load(name=name, sources=[str(_SRC)], extra_cflags=flags,
+                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        if fresh:
+            log.info("built mcserve CPU kernels in %.0f s", time.perf_counter() - t0)
+    return mod
 
 
 _local = threading.local()
@@ -97,7 +151,6 @@ def ops():
                 why = "disabled by MCSERVE_CPU_KERNELS=0"
             else:
                 try:
-                    log.info("loading mcserve CPU kernels (built once per machine: ~1 min)")
                     mod = _build()
                 except Exception as e:  # no compiler / headers: the torch twins serve
                     why = f"build failed: {type(e).__name__}: {str(e).strip()[-300:]}"

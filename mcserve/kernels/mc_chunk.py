@@ -1,0 +1,273 @@
+"""Memory Caching over a whole prefill chunk of the gated linear memory, in one pass.
+
+``mc_linear_chunk`` takes a span of T tokens that may cross any number of segment boundaries
+(constant segmentation, docs/mc.md) and computes, without a loop over tokens and with a
+constant number of large tensor ops:
+
+* the online term of every token: one chunked scan of all segments at once (the span is padded
+  at the front to a segment boundary and folded to ``(B·n_seg, C, H, ·)``, each segment scanned
+  from zero), plus each segment's start state read out with its decay;
+* the state at every segment boundary (the checkpoints): a short scan over segments,
+  S_end(g) = A_g·S_start(g) + D_g, where D_g is the segment's own contribution;
+* the cached-memory term: scores of every token against every earlier checkpoint (the carried
+  ones and those completed inside the span, causally masked), one softmax (or top-k for ``ssc``),
+  and one weighted readout as batched matmuls, blockwise over checkpoints so memory stays bounded.
+
+``mc_linear_chunk_naive`` is its per-token twin with the same signature (the test oracle beside
+``mcserve.kernels.reference.mc_linear``). Both follow the flash-linear-attention convention: the
+running state goes in as ``initial_state`` and comes back as ``final_state``.
+
+The gates are ``log_a`` (log of the decay a ∈ (0, 1], ≤ 0) and ``b`` (write gate); None means
+all ones. Variants: ``grm``/``soup`` (equal on this family), ``ssc``, ``residual``, ``post``.
+For ``residual``/``post`` the cached memories enter as their running sum (one state), since on
+a linear memory Σ_i M⁽ⁱ⁾(q) = (Σ_i S_i)ᵀq.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from mcserve.kernels.gla import chunk_gla, naive_gla
+
+CHUNK_VARIANTS = ("grm", "soup", "ssc", "residual", "post")
+_READ_BLOCK = 32  # checkpoints per GEMM in the cached readout
+_TOKEN_TILE = 256  # tokens per GEMM (measured best on a 2-core AVX2 CPU at K = V = 64)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, u: Tensor, initial_state: Tensor,
+           initial_ksum: Tensor, initial_fill: int, cached: Tensor, cached_ksum: Tensor,
+           variant: str, segment_len: int, top_k: int, mode: str) -> None:
+    if variant not in CHUNK_VARIANTS:
+        raise ValueError(f"variant must be one of {CHUNK_VARIANTS}, got {variant!r}")
+    if mode not in ("checkpoint", "independent"):
+        raise ValueError(f"mode must be 'checkpoint' or 'independent', got {mode!r}")
+    if not isinstance(segment_len, int) or segment_len < 1:
+        raise ValueError(f"segment_len must be a positive integer, got {segment_len!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if not 0 <= initial_fill < segment_len:
+        raise ValueError(f"initial_fill must lie in [0, segment_len={segment_len}), "
+                         f"got {initial_fill}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or u.shape != q.shape or v.shape[:3] != (B, T, H):
+        raise ValueError("q, k, u must be (B, T, H, K) and v (B, T, H, V)")
+    if initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state must be {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+    if initial_ksum.shape != (B, H, K):
+        raise ValueError(f"initial_ksum must be {(B, H, K)}, got {tuple(initial_ksum.shape)}")
+    if cached.dim() != 5 or cached.shape[0] != B or cached.shape[2:] != (H, K, V):
+        raise ValueError(f"cached must be (B, N, H, K, V), got {tuple(cached.shape)}")
+    if cached_ksum.shape != cached.shape[:2] + (H, K):
+        raise ValueError(f"cached_ksum must be (B, N, H, K), got {tuple(cached_ksum.shape)}")
+    if variant in ("residual", "post") and cached.shape[1] > 1:
+        raise ValueError("residual/post take the cached memories as one summed state (N <= 1)")
+
+
+def _select(r: Tensor, top_k: int) -> Tensor:
+    """Indices of the top_k scores along dim 2 of ``r`` (B, L, N, H), ties to the later one."""
+    N = r.shape[2]
+    rr = r.flip(2).transpose(2, 3).contiguous()  # (B, L, H, N), most recent first
+    order = torch.sort(rr, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    return N - 1 - order.transpose(2, 3)
+
+
+def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int
+                    ) -> Tensor:
+    """Σ_n w[:, t, n] S_nᵀ q_t. S ``(B, N, H, K, V)``, q ``(B, L, H, K)``, w ``(B, L, N, H)``
+    where token t (of the padded, segment-aligned span) sees checkpoints n < n_carried +
+    t // segment_len.
+
+    Tiled over tokens and checkpoints: per tile one GEMM contracts (checkpoint, key) at once,
+    ``(L_tile, n·K) @ (n·K, V)``, so the sum over checkpoints happens inside the GEMM, the
+    temporaries stay cache-sized, and checkpoints a whole tile cannot see are skipped.
+    """
+    B, L, H, K = q.shape
+    V = S.shape[-1]
+    Sh = S.transpose(1, 2)  # (B, H, N, K, V)
+    qh = q.transpose(1, 2)  # (B, H, L, K)
+    wh = w.permute(0, 3, 1, 2)  # (B, H, L, N)
+    out = q.new_zeros(B, H, L, V)
+    for t0 in range(0, L, _TOKEN_TILE):
+        t1 = min(L, t0 + _TOKEN_TILE)
+        n_vis = min(S.shape[1], n_carried + (t1 - 1) // segment_len)
+        for n0 in range(0, n_vis, _READ_BLOCK):
+            n1 = min(n_vis, n0 + _READ_BLOCK)
+            x = (wh[:, :, t0:t1, n0:n1, None] * qh[:, :, t0:t1, None, :]).flatten(-2)
+            out[:, :, t0:t1] += torch.matmul(x, Sh[:, :, n0:n1].reshape(B, H, -1, V))
+    return out.transpose(1, 2)
+
+
+def mc_linear_chunk(
+    q: Tensor, k: Tensor, v: Tensor, u: Tensor, log_a: Tensor | None = None,
+    b: Tensor | None = None, *, initial_state: Tensor, initial_ksum: Tensor, initial_fill: int,
+    cached: Tensor, cached_ksum: Tensor, n_segments: int, variant: str, segment_len: int,
+    top_k: int = 2, mode: str = "checkpoint",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MC over the gated linear memory for a span of tokens that may cross many segments.
+
+    q, k, u ``(B, T, H, K)``; v ``(B, T, H, V)``; log_a, b ``(B, T, H)`` or None. The rows sit
+    at the same phase: ``initial_fill`` tokens (< segment_len) already in the online segment,
+    whose state is ``initial_state`` ``(B, H, K, V)`` and key sum ``initial_ksum`` ``(B, H, K)``;
+    ``cached`` ``(B, N, H, K, V)`` / ``cached_ksum`` ``(B, N, H, K)`` the cached checkpoints (all
+    full segments), or for ``residual``/``post`` their sum (N ≤ 1); ``n_segments`` the number of
+    cached segments so far.
+
+    Returns ``(y, final_state, boundary_states, boundary_ksums)``: y ``(B, T, H, V)``; the
+    state after the last token ``(B, H, K, V)`` (in independent mode not yet restarted when the
+    span ends on a boundary); the state and key sum at the end of every segment the span
+    completes, oldest first, ``(B, n_b, H, K, V)`` / ``(B, n_b, H, K)``.
+    """
+    _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, variant,
+           segment_len, top_k, mode)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, f0 = segment_len, initial_fill
+    G = -(-(f0 + T) // C)  # segments the padded span covers (the first holds f0 old tokens)
+    n_b = (f0 + T) // C  # of which complete at the span's end
+    pad = G * C - f0 - T
+
+    def fold(x: Tensor | None, fill: float = 0.0) -> Tensor | None:
+        """(B, T, ...) → (B, G, C, ...): f0 zero rows in front (tokens already consumed: no
+        write, no decay), the tail padded to a whole segment."""
+        if x is None:
+            return None
+        shape = (B, f0) + x.shape[2:]
+        tail = (B, pad) + x.shape[2:]
+        x = torch.cat([x.new_full(shape, fill), x, x.new_full(tail, fill)], 1)
+        return x.view((B, G, C) + x.shape[2:])
+
+    qf, kf, vf, uf = fold(q), fold(k), fold(v), fold(u)  # (B, G, C, H, ·)
+    laf = fold(log_a)
+    bf = fold(b)
+    # ---- online term: every segment scanned from zero at once, plus its start state decayed
+    flat = lambda x: None if x is None else x.reshape((B * G,) + x.shape[2:])  # noqa: E731
+    o_loc, D = chunk_gla(flat(qf), flat(kf), flat(vf), flat(laf), flat(bf),
+                         q.new_zeros(B * G, H, K, V))
+    o_loc, D = o_loc.view(B, G, C, H, V), D.view(B, G, H, K, V)
+    if laf is None:
+        Acum = q.new_zeros(B, G, C, H)
+    else:
+        Acum = laf.cumsum(2)  # (B, G, C, H) log decay from the segment start to each token
+    decay_seg = Acum[:, :, -1].exp()  # (B, G, H) decay over a whole segment
+    starts, ends = [], []
+    S = initial_state
+    for g in range(G):  # the only loop: two small ops per segment on (B, H, K, V)
+        if g and mode == "independent":
+            S = torch.zeros_like(S)
+        starts.append(S)
+        S = S * decay_seg[:, g, :, None, None] + D[:, g]
+        ends.append(S)
+    S_start = torch.stack(starts, 1)  # (B, G, H, K, V)
+    S_end = torch.stack(ends, 1)
+    o = o_loc + torch.einsum("bgchk,bghkv->bgchv", qf * Acum.exp()[..., None], S_start)
+    # ---- online scores: the mean key of the online segment so far, token t included
+    kc = kf.cumsum(2)  # (B, G, C, H, K)
+    kc[:, 0] += initial_ksum[:, None]
+    seg_ksum = kc[:, :, -1]  # (B, G, H, K) key sum of each (padded) segment
+    if variant in ("residual", "post"):
+        # collapsed: the cached memories are one running sum; segment g adds g new checkpoints
+        csum0 = cached.sum(1) if cached.shape[1] else torch.zeros_like(initial_state)
+        prev = torch.cat([torch.zeros_like(S_end[:, :1]), S_end[:, :-1]], 1).cumsum(1)
+        csum = csum0[:, None] + prev  # (B, G, H, K, V) cached sum seen by segment g
+        y = o + torch.einsum("bgchk,bghkv->bgchv", qf, csum)
+        if variant == "post":
+            counts = n_segments + 1 + torch.arange(G, device=q.device, dtype=q.dtype)
+            y = y / counts[None, :, None, None, None]
+    else:
+        count = torch.arange(1, C + 1, device=q.device, dtype=q.dtype)  # (C,)
+        r_on = (uf * kc).sum(-1) / (count[:, None] * math.sqrt(K))  # (B, G, C, H)
+        N0 = cached.shape[1]
+        # checkpoints a token can read: the carried N0, then the span's completed segments
+        ck = torch.cat([cached_ksum, seg_ksum[:, :G - 1]], 1)  # (B, N, H, K)
+        Sc = torch.cat([cached, S_end[:, :G - 1]], 1)  # (B, N, H, K, V)
+        N = N0 + G - 1
+        r_c = torch.einsum("bgchk,bnhk->bgcnh", uf, ck) / (C * math.sqrt(K))  # (B, G, C, N, H)
+        seg = torch.arange(G, device=q.device)
+        visible = torch.arange(N, device=q.device)[None, :] < (N0 + seg)[:, None]  # (G, N)
+        r_c = r_c.masked_fill(~visible[None, :, None, :, None], float("-inf"))
+        r_c = r_c.reshape(B, G * C, N, H)
+        r_on = r_on.reshape(B, G * C, H)
+        if variant == "ssc" and N > top_k:
+            idx = _select(r_c, top_k)  # (B, L, top_k, H)
+            gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
+            w_c = torch.zeros_like(r_c).scatter(2, idx, gamma[:, :, :-1])
+        else:
+            gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), 2)
+            w_c = gamma[:, :, :-1]
+        w_on = gamma[:, :, -1]  # (B, L, H)
+        y = o.reshape(B, G * C, H, V) * w_on[..., None]
+        if N:
+            y = y + _readout_blocks(Sc, qf.reshape(B, G * C, H, K), w_c, N0, C)
+    y = y.reshape(B, G * C, H, V)[:, f0:f0 + T]
+    # a partial last segment's padding wrote nothing and did not decay: S_end[:, -1] is exact
+    return y, S_end[:, -1], S_end[:, :n_b], seg_ksum[:, :n_b]
+
+
+def mc_linear_chunk_naive(
+    q: Tensor, k: Tensor, v: Tensor, u: Tensor, log_a: Tensor | None = None,
+    b: Tensor | None = None, *, initial_state: Tensor, initial_ksum: Tensor, initial_fill: int,
+    cached: Tensor, cached_ksum: Tensor, n_segments: int, variant: str, segment_len: int,
+    top_k: int = 2, mode: str = "checkpoint",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``mc_linear_chunk`` token by token (same signature and results): the oracle twin."""
+    _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, variant,
+           segment_len, top_k, mode)
+    B, T, H, K = q.shape
+    C = segment_len
+    S, ksum, fill = initial_state, initial_ksum, initial_fill
+    mems = [cached[:, i] for i in range(cached.shape[1])]
+    ksums = [cached_ksum[:, i] for i in range(cached.shape[1])]
+    n_seg = n_segments
+    ys, b_states, b_ksums = [], [], []
+    for t in range(T):
+        if fill == C:  # the previous token completed a segment: it becomes a cached memory
+            if variant in ("residual", "post"):
+                mems = [S + mems[0]] if mems else [S]
+            else:
+                mems.append(S)
+                ksums.append(ksum)
+            n_seg += 1
+            ksum, fill = torch.zeros_like(ksum), 0
+            if mode == "independent":
+                S = torch.zeros_like(S)
+        la = None if log_a is None else log_a[:, t:t + 1]
+        bb = None if b is None else b[:, t:t + 1]
+        o, S = naive_gla(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], la, bb, S)
+        o = o[:, 0]  # (B, H, V)
+        ksum, fill = ksum + k[:, t], fill + 1
+        qt = q[:, t]
+        reads = [torch.einsum("bhk,bhkv->bhv", qt, m) for m in mems]
+        if variant == "residual":
+            y = o + sum(reads)
+        elif variant == "post":
+            y = (o + sum(reads)) / (n_seg + 1)
+        else:
+            r = [(u[:, t] * ks).sum(-1) / (C * math.sqrt(K)) for ks in ksums]  # (B, H) each
+            r_on = (u[:, t] * ksum).sum(-1) / (fill * math.sqrt(K))
+            y = torch.zeros_like(o)
+            for bi in range(B):
+                for h in range(H):
+                    sc = [float(x[bi, h]) for x in r]
+                    pick = list(range(len(sc)))
+                    if variant == "ssc":
+                        pick.sort(key=lambda i, sc=sc: (sc[i], i), reverse=True)
+                        pick = sorted(pick[:top_k])
+                    logits = torch.stack([r[i][bi, h] for i in pick] + [r_on[bi, h]])
+                    gam = torch.softmax(logits, 0)
+                    acc = gam[-1] * o[bi, h]
+                    for j, i in enumerate(pick):
+                        acc = acc + gam[j] * reads[i][bi, h]
+                    y[bi, h] = acc
+        ys.append(y)
+        if fill == C:
+            b_states.append(S)
+            b_ksums.append(ksum)
+    y = torch.stack(ys, 1) if ys else v.new_zeros(v.shape)
+    V = v.shape[-1]
+    bs = torch.stack(b_states, 1) if b_states else q.new_zeros(B, 0, H, K, V)
+    bk = torch.stack(b_ksums, 1) if b_ksums else q.new_zeros(B, 0, H, K)
+    return y, S, bs, bk

@@ -1,0 +1,126 @@
+"""``kernels.mc_chunk``: MC over a whole prefill chunk against the oracle and its naive twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcserve.kernels import reference
+from mcserve.kernels.mc_chunk import mc_linear_chunk, mc_linear_chunk_naive
+
+VARIANTS = ("grm", "soup", "ssc", "residual", "post")
+
+
+def _inputs(B, T, H, K, V, gen, dtype=torch.float64):
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    q, k, u = r(B, T, H, K), r(B, T, H, K) / K ** 0.5, r(B, T, H, K)
+    v = r(B, T, H, V)
+    log_a = -torch.rand(B, T, H, generator=gen, dtype=dtype) * 0.3
+    b = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    return q, k, v, u, log_a, b
+
+
+def _empty(B, H, K, V, dtype=torch.float64):
+    return dict(initial_state=torch.zeros(B, H, K, V, dtype=dtype),
+                initial_ksum=torch.zeros(B, H, K, dtype=dtype), initial_fill=0,
+                cached=torch.zeros(B, 0, H, K, V, dtype=dtype),
+                cached_ksum=torch.zeros(B, 0, H, K, dtype=dtype), n_segments=0)
+
+
+def _run_split(fn, q, k, v, u, log_a, b, cuts, *, variant, C, top_k, mode):
+    """Feed the span in pieces, carrying the state the way the engine does between calls."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    st = _empty(B, H, K, V, q.dtype)
+    ys, p = [], 0
+    for e in list(cuts) + [T]:
+        if e <= p:
+            continue
+        sl = slice(p, e)
+        y, S, bs, bk = fn(q[:, sl], k[:, sl], v[:, sl], u[:, sl], log_a[:, sl], b[:, sl],
+                          variant=variant, segment_len=C, top_k=top_k, mode=mode, **st)
+        ys.append(y)
+        fill = st["initial_fill"] + (e - p)
+        ksum = st["initial_ksum"] + k[:, sl].sum(1) if fill < C else None
+        n_new = bs.shape[1]
+        if variant in ("residual", "post"):
+            tot = st["cached"].sum(1) if st["cached"].shape[1] else torch.zeros_like(S)
+            cached = (tot + bs.sum(1))[:, None] if n_new or st["cached"].shape[1] else st["cached"]
+            cksum = torch.zeros(B, cached.shape[1], H, K, dtype=q.dtype)
+        else:
+            cached = torch.cat([st["cached"], bs], 1)
+            cksum = torch.cat([st["cached_ksum"], bk], 1)
+        fill %= C
+        if n_new:
+            ksum = k[:, e - fill:e].sum(1)
+            if mode == "independent" and fill == 0:
+                S = torch.zeros_like(S)
+        st = dict(initial_state=S, initial_ksum=ksum, initial_fill=fill, cached=cached,
+                  cached_ksum=cksum, n_segments=st["n_segments"] + n_new)
+        p = e
+    return torch.cat(ys, 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("mode", ["checkpoint", "independent"])
+def test_chunk_equals_reference_whole_and_split(variant, mode):
+    gen = torch.Generator().manual_seed(hash((variant, mode)) % 2**31)
+    B, T, H, K, V, C = 2, 53, 3, 4, 5, 8  # T not a multiple of C, several heads
+    q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen)
+    want = torch.stack([
+        reference.mc_linear(q[i], k[i], v[i], u[i], log_a[i].exp(), b[i], variant=variant,
+                            segment_len=C, top_k=2, mode=mode) for i in range(B)])
+    whole = _run_split(mc_linear_chunk, q, k, v, u, log_a, b, [], variant=variant, C=C,
+                       top_k=2, mode=mode)
+    torch.testing.assert_close(whole, want, rtol=1e-10, atol=1e-10)
+    for cuts in ([5, 8, 30], [1, 17, 40, 41], [16, 24]):  # inside, on and across boundaries
+        got = _run_split(mc_linear_chunk, q, k, v, u, log_a, b, cuts, variant=variant, C=C,
+                         top_k=2, mode=mode)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", ["grm", "ssc", "post"])
+def test_chunk_equals_naive_twin_from_a_carried_state(variant):
+    """Random carried state (online fill, key sums, cached checkpoints): fast == naive twin,
+    float32, all four outputs."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, K, V, C = 3, 37, 2, 8, 6, 16
+    q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)
+    N = 1 if variant == "post" else 5
+    st = dict(initial_state=torch.randn(B, H, K, V, generator=gen),
+              initial_ksum=torch.randn(B, H, K, generator=gen), initial_fill=11,
+              cached=torch.randn(B, N, H, K, V, generator=gen),
+              cached_ksum=torch.randn(B, N, H, K, generator=gen) * 4, n_segments=5)
+    for mode in ("checkpoint", "independent"):
+        got = mc_linear_chunk(q, k, v, u, log_a, b, variant=variant, segment_len=C, top_k=2,
+                              mode=mode, **st)
+        want = mc_linear_chunk_naive(q, k, v, u, log_a, b, variant=variant, segment_len=C,
+                                     top_k=2, mode=mode, **st)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_without_gates_and_single_token():
+    gen = torch.Generator().manual_seed(3)
+    B, H, K, V, C = 1, 2, 4, 4, 4
+    q, k, v, u, _, _ = _inputs(B, 9, H, K, V, gen)
+    want = reference.mc_linear(q[0], k[0], v[0], u[0], variant="grm", segment_len=C)
+    got = _run_split(mc_linear_chunk, q, k, v, u, torch.zeros(B, 9, H, dtype=q.dtype),
+                     torch.ones(B, 9, H, dtype=q.dtype), list(range(1, 9)), variant="grm", C=C,
+                     top_k=2, mode="checkpoint")
+    torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-10)
+    y, *_ = mc_linear_chunk(q, k, v, u, None, None, variant="grm", segment_len=C,
+                            **_empty(B, H, K, V))
+    torch.testing.assert_close(y[0], want, rtol=1e-10, atol=1e-10)
+
+
+def test_chunk_rejects_bad_arguments():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, u, log_a, b = _inputs(1, 4, 1, 2, 2, gen)
+    st = _empty(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="variant"):
+        mc_linear_chunk(q, k, v, u, log_a, b, variant="none", segment_len=4, **st)
+    with pytest.raises(ValueError, match="initial_fill"):
+        mc_linear_chunk(q, k, v, u, log_a, b, variant="grm", segment_len=4,
+                        **{**st, "initial_fill": 4})
