@@ -11,6 +11,13 @@ VARIANTS = ("none", "residual", "grm", "soup", "ssc", "loglinear", "post")
 MODES = ("checkpoint", "independent")
 
 
+def default_mode(variant: str) -> str | None:
+    """The ``mc_mode`` a post-hoc switch to ``variant`` implies when none is given: ``post`` is
+    the paper's post-training variant (independent segments), ``loglinear`` only exists with
+    checkpoints; None keeps the current mode."""
+    return {"post": "independent", "loglinear": "checkpoint"}.get(variant)
+
+
 def validate_mc(
     variant: str, mode: str, segment_len: int, top_k: int, *, memory: str = "linear",
     inner_chunk: int = 1,
@@ -38,7 +45,12 @@ def validate_mc(
 
 @dataclass(frozen=True)
 class MCConfig:
-    """How one layer caches and aggregates its memory (DESIGN.md §1.2-1.3)."""
+    """How one layer caches and aggregates its memory (docs/mc.md).
+
+    The one home of each MC setting: code outside this module (and the plain reference oracle,
+    ``mcserve.kernels.reference``) asks the capability properties below instead of comparing
+    variant names.
+    """
 
     variant: str = "grm"
     mode: str = "checkpoint"
@@ -49,9 +61,64 @@ class MCConfig:
     def __post_init__(self) -> None:
         validate_mc(self.variant, self.mode, self.segment_len, self.top_k)
 
+    # ------------------------------------------------------------------ capabilities
     @property
     def segmented(self) -> bool:
+        """The memory is cut into segments whose checkpoints are cached (every variant but
+        ``none``; ``loglinear`` segments logarithmically, the others every ``segment_len``)."""
         return self.variant != "none"
+
+    @property
+    def log_segmented(self) -> bool:
+        """Logarithmic segmentation (``loglinear``): the checkpoints change every token (a stack
+        of at most log2(n) + 1 that merges as the position grows), so they are never shared."""
+        return self.variant == "loglinear"
+
+    @property
+    def caches_blocks(self) -> bool:
+        """Constant segmentation: every completed segment of ``segment_len`` tokens is a fixed
+        checkpoint, which the engine keeps as a block of its pool (and may share by prefix)."""
+        return self.segmented and not self.log_segmented
+
+    @property
+    def routes(self) -> bool:
+        """Each token weighs the segments by a score ⟨u_t, mean key of the segment⟩ (a softmax
+        gate over the cached and the online memories): needs u (a learned ``u_proj`` or
+        ``share_uq``)."""
+        return self.variant in ("grm", "soup", "ssc", "loglinear")
+
+    @property
+    def selects(self) -> bool:
+        """Routing reads only the ``top_k`` best-scored cached segments (``ssc``); ``top_k`` may
+        be overridden per request."""
+        return self.variant == "ssc"
+
+    @property
+    def mixes_parameters(self) -> bool:
+        """The gate mixes the memories' parameters before one readout (``soup``); on a linear
+        memory the readout is linear in them, which makes it the same as mixing outputs."""
+        return self.variant == "soup"
+
+    @property
+    def fixed_weights(self) -> bool:
+        """Every memory gets the same fixed weight, no routing (``residual``: 1 each, ``post``:
+        1/(n+1) each): on linear memories the cached states collapse into one running sum."""
+        return self.variant in ("residual", "post")
+
+    @property
+    def averages(self) -> bool:
+        """The fixed weight is 1/(n+1) over n cached segments (``post``), not 1."""
+        return self.variant == "post"
+
+    @property
+    def independent(self) -> bool:
+        """Every segment's memory starts afresh from the initial memory."""
+        return self.mode == "independent"
+
+    def collapses(self, linear_memory: bool) -> bool:
+        """Whether the cache collapses into one summed state on this memory family (a linear
+        memory: the readout of a sum is the sum of the readouts)."""
+        return linear_memory and self.fixed_weights
 
 
 @dataclass(frozen=True)

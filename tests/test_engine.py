@@ -1,5 +1,5 @@
-"""Engine invariants (DESIGN.md §2.2.3-4): the same greedy output alone, batched, after
-preemption, and after a prefix-cache hit; pools whole after every test."""
+"""Engine invariants: the same greedy output alone, batched, after preemption, and after a
+prefix-cache hit; pools whole after every test."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ from mcserve.config import EngineConfig, ModelConfig
 from mcserve.engine.llm import LLM
 from mcserve.engine.llm_engine import LLMEngine
 from mcserve.engine.sampling import SamplingParams
+from mcserve.errors import InvalidRequestError
 from mcserve.models.native import MCForCausalLM
 
 PROMPT_LENS = [1, 3, 4, 5, 9, 16, 23, 40]
@@ -186,7 +187,7 @@ def test_sampling_seeded_topk1_logprobs():
                                                                 ignore_eos=True))
     for o in a:
         c = o.outputs[0]
-        picked = [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        picked = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
         assert sum(picked) == pytest.approx(c.cumulative_logprob, abs=1e-6)
         assert all(len(lp) >= 2 for lp in c.logprobs)
 
@@ -204,7 +205,33 @@ def test_n_completions_and_prompt_logprobs():
         logits, _ = model(torch.tensor([p]))
     lp = torch.log_softmax(logits[0].float(), -1)
     for i in range(1, len(p)):
-        assert out.prompt_logprobs[i][p[i]] == pytest.approx(lp[i - 1, p[i]].item(), abs=1e-5)
+        got = out.prompt_logprobs[i][p[i]]
+        assert got.logprob == pytest.approx(lp[i - 1, p[i]].item(), abs=1e-5)
+        assert got.rank == 1 + int((lp[i - 1] > lp[i - 1, p[i]]).sum())
+        assert got.decoded_token == eng.tokenizer.decode([p[i]], skip_special_tokens=False)
+
+
+def test_logprob_objects():
+    # CompletionOutput.logprobs holds Logprob(logprob, rank, decoded_token): the greedy pick is
+    # the most likely token (rank 1), alternatives rank by their raw logprob, text decoded
+    model = make_model()
+    eng = make_engine(model)
+    p = prompts()[4]
+    out = LLM(engine=eng).generate(
+        [p], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    c = out.outputs[0]
+    ids = list(p)
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=True):
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ids]))
+        lp = torch.log_softmax(logits[0, -1].float(), -1)
+        assert list(entry)[:3] == lp.topk(3).indices.tolist()
+        assert entry[tok].rank == 1
+        for t, x in entry.items():
+            assert x.logprob == pytest.approx(lp[t].item(), abs=1e-5)
+            assert x.rank == 1 + int((lp > lp[t]).sum())
+            assert x.decoded_token == eng.tokenizer.decode([t], skip_special_tokens=False)
+        ids.append(tok)
 
 
 def test_stop_string_split_across_tokens():
@@ -230,21 +257,34 @@ def test_stop_string_split_across_tokens():
     (dict(n=0), "n"),
 ])
 def test_bad_sampling_params(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(InvalidRequestError, match=name) as err:
         SamplingParams(**kwargs)
+    assert err.value.param == name
 
 
 def test_bad_requests():
     model = make_model()
     eng = make_engine(model, max_model_len=32)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(InvalidRequestError, match="max_model_len") as err:
         eng.add_request("long", None, GREEDY, prompt_token_ids=[1] * 40)
-    with pytest.raises(ValueError, match="empty"):
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="max_model_len") as err:
+        eng.add_request("long", None, SamplingParams(max_tokens=20), prompt_token_ids=[1] * 20)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError, match="empty") as err:
         eng.add_request("e", None, GREEDY, prompt_token_ids=[])
-    with pytest.raises(ValueError, match="token ids"):
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="token ids") as err:
         eng.add_request("v", None, GREEDY, prompt_token_ids=[1, 999])
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="prompt must be a string") as err:
+        eng.add_request("s", 5, GREEDY)
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="mc_top_k") as err:
+        eng.add_request("o", None, GREEDY, prompt_token_ids=[1], mc_overrides={"mc_top_k": 2})
+    assert err.value.param == "mc_top_k"  # grm: no per-request MC settings
     eng.add_request("dup", None, GREEDY, prompt_token_ids=[1, 2])
-    with pytest.raises(ValueError, match="request_id"):
+    with pytest.raises(InvalidRequestError, match="request_id"):
         eng.add_request("dup", None, GREEDY, prompt_token_ids=[1, 2])
     eng.abort_request("dup")
     with pytest.raises(ValueError, match="mc_variant"):
@@ -370,10 +410,12 @@ def test_per_request_ssc_top_k():
     for i, p in enumerate(ps):
         assert done[f"k3-{i}"] == wide.generate(p, GREEDY.max_tokens)
         assert done[f"k1-{i}"] == model.generate(p, GREEDY.max_tokens)
-    with pytest.raises(ValueError, match="mc_top_k"):
+    with pytest.raises(InvalidRequestError, match="mc_top_k") as err:
         eng.add_request("x", None, GREEDY, prompt_token_ids=[1], mc_overrides={"mc_top_k": 0})
-    with pytest.raises(ValueError, match="segment_len"):
+    assert err.value.param == "mc_top_k"
+    with pytest.raises(InvalidRequestError, match="segment_len") as err:
         eng.add_request("y", None, GREEDY, prompt_token_ids=[1], mc_overrides={"segment_len": 8})
+    assert err.value.param == "segment_len"
 
 
 def _run_all(eng):

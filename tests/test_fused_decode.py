@@ -34,7 +34,7 @@ def generate(model, prompts, overrides=None, **engine_kw):
         for o in eng.step():
             if o.finished:
                 c = o.outputs[0]
-                out[int(o.request_id)] = (c.token_ids, [d[t] for d, t in
+                out[int(o.request_id)] = (c.token_ids, [d[t].logprob for d, t in
                                                         zip(c.logprobs, c.token_ids)])
     assert eng.cache.is_whole()
     generate.last_engine = eng
@@ -78,7 +78,7 @@ def test_fused_block_not_used_when_it_cannot_apply():
     model = MCForCausalLM(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
                                       head_dim=8, mc_variant="residual", segment_len=4))
     blk = model.layers[0]
-    assert blk._FUSED_VARIANTS.get("residual") is None  # collapsed sums: the Python path
+    assert blk._fused_variant(blk.mixer.memory.cfg) is None  # collapsed sums: the Python path
     swla = MCForCausalLM(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
                                      head_dim=8, memory="swla", segment_len=4))
     x = torch.randn(1, 1, 32)

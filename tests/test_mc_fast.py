@@ -1,12 +1,57 @@
 """The vectorised torch path (what the model runs) against the reference oracle.
 
-DESIGN.md §2.2.1: float64 to 1e-10, float32 to 1e-4 relative, odd lengths, several heads.
+float64 to 1e-10, float32 to 1e-4 relative, odd lengths, several heads (docs/mc.md).
 """
 
 import pytest
 import torch
+from torch import Tensor
 
-from mcserve.kernels import mc_torch, reference
+from mcserve.config import MCConfig
+from mcserve.kernels import reference
+from mcserve.models.mc import MCMemory
+from mcserve.models.memory.deep import DLAMemory, TitansMemory
+from mcserve.models.memory.linear import LinearMemory
+
+
+def mc_linear(q: Tensor, k: Tensor, v: Tensor, u: Tensor, a: Tensor | None = None,
+              b: Tensor | None = None, *, variant: str, segment_len: int, top_k: int = 2,
+              mode: str = "checkpoint") -> Tensor:
+    """``reference.mc_linear`` computed by the layer code the model runs (``MCMemory`` over the
+    linear family) for one unbatched sequence: testing it tests the serving path itself."""
+    mc = MCMemory(LinearMemory(), MCConfig(variant=variant, mode=mode, segment_len=segment_len,
+                                           top_k=top_k))
+    T, H, K = q.shape
+    state = mc.init_state(1, H, K, v.shape[-1], dtype=q.dtype, device=q.device)
+    gates = {}
+    if a is not None:
+        gates["log_a"] = a.log()[None]
+    if b is not None:
+        gates["b"] = b[None]
+    y, _ = mc.forward(state, q[None], k[None], v[None], u[None], gates)
+    return y[0]
+
+
+def mc_deep(q: Tensor, k: Tensor, v: Tensor, u: Tensor, eta: Tensor, w1_init: Tensor,
+            w2_init: Tensor, a: Tensor | None = None, m: Tensor | None = None, *, memory: str,
+            variant: str, segment_len: int, top_k: int = 2, mode: str = "checkpoint",
+            inner_chunk: int = 1) -> Tensor:
+    """``reference.mc_deep`` computed by ``MCMemory`` over the ``dla``/``titans`` family."""
+    family = DLAMemory(inner_chunk) if memory == "dla" else TitansMemory(inner_chunk)
+    mc = MCMemory(family, MCConfig(variant=variant, mode=mode, segment_len=segment_len,
+                                   top_k=top_k))
+    T, H, K = q.shape
+    init = {"w1": w1_init, "w2": w2_init}
+    state = mc.init_state(1, H, K, v.shape[-1], dtype=q.dtype, device=q.device, init=init)
+    gates = {"eta": eta[None]}
+    if memory == "titans":
+        if a is not None:
+            gates["a"] = a[None]
+        if m is not None:
+            gates["m"] = m[None]
+    y, _ = mc.forward(state, q[None], k[None], v[None], u[None], gates, init=init)
+    return y[0]
+
 
 C = 4
 LENGTHS = [1, C - 1, C, C + 1, 5 * C + 3]
@@ -39,7 +84,7 @@ def _inputs(T, H, K, V, dtype, seed, gated):
 def test_mc_linear_matches_reference(variant, mode, T, gated, dtype, tol):
     q, k, v, u, a, b = _inputs(T, 3, 5, 4, dtype, seed=T * 7 + len(variant), gated=gated)
     kw = dict(variant=variant, segment_len=C, top_k=2, mode=mode)
-    y = mc_torch.mc_linear(q, k, v, u, a, b, **kw)
+    y = mc_linear(q, k, v, u, a, b, **kw)
     y_ref = reference.mc_linear(q, k, v, u, a, b, **kw)
     assert y.shape == y_ref.shape
     assert _rel(y, y_ref) < tol
@@ -50,7 +95,7 @@ def test_ssc_many_segments(top_k):
     # many cached segments relative to top_k, so the selection really drops blocks
     q, k, v, u, a, b = _inputs(45, 2, 4, 4, torch.float64, seed=3, gated=True)
     kw = dict(variant="ssc", segment_len=3, top_k=top_k)
-    assert _rel(mc_torch.mc_linear(q, k, v, u, a, b, **kw),
+    assert _rel(mc_linear(q, k, v, u, a, b, **kw),
                 reference.mc_linear(q, k, v, u, a, b, **kw)) < 1e-10
 
 
@@ -78,7 +123,7 @@ def test_mc_deep_matches_reference(memory, variant, mode, T, dtype, tol):
     a = 0.8 + 0.2 * torch.rand(T, H, generator=g, dtype=dtype)
     m = 0.5 * torch.rand(T, H, generator=g, dtype=dtype)
     kw = dict(memory=memory, variant=variant, segment_len=C, top_k=1, mode=mode, inner_chunk=2)
-    y = mc_torch.mc_deep(q, k, v, u, eta, w1, w2, a, m, **kw)
+    y = mc_deep(q, k, v, u, eta, w1, w2, a, m, **kw)
     y_ref = reference.mc_deep(q, k, v, u, eta, w1, w2, a, m, **kw)
     assert _rel(y, y_ref) < tol
 

@@ -15,6 +15,7 @@ from mcserve.engine.sampling import (
     make_generator,
     prompt_logprobs,
 )
+from mcserve.errors import InvalidRequestError
 
 V = 64
 sampler = Sampler()
@@ -96,9 +97,11 @@ def test_greedy_property() -> None:
 )
 def test_validation_names_the_argument(kwargs: dict) -> None:
     name = next(iter(kwargs))
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kwargs)
+    assert isinstance(err.value, ValueError)
     assert str(err.value).startswith(name + " ")
+    assert err.value.param == name
 
 
 @pytest.mark.parametrize(
@@ -324,9 +327,12 @@ def test_logprobs_come_from_the_raw_distribution() -> None:
     assert list(top3)[:3] == best3
     assert out.token_ids[0] in top3
     for tok, lp in top3.items():
-        assert lp == pytest.approx(raw[0, tok].item(), abs=1e-6)
+        assert lp.logprob == pytest.approx(raw[0, tok].item(), abs=1e-6)
+        assert lp.rank == 1 + int((raw[0] > raw[0, tok]).sum())
+        assert lp.decoded_token is None  # the sampler has no tokenizer: the engine decodes
 
-    assert out.top_logprobs[1] == {out.token_ids[1]: pytest.approx(out.logprobs[1])}
+    assert list(out.top_logprobs[1]) == [out.token_ids[1]]
+    assert out.top_logprobs[1][out.token_ids[1]].logprob == pytest.approx(out.logprobs[1])
     assert len(out.top_logprobs[2]) in (MAX_LOGPROBS, MAX_LOGPROBS + 1)
     assert out.token_ids[2] in out.top_logprobs[2]
     assert out.top_logprobs[3] is None
@@ -339,12 +345,24 @@ def test_sampled_token_outside_top_n_is_added_last() -> None:
     assert out.token_ids == [2]
     assert list(out.top_logprobs[0]) == [0, 2]
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+    assert [lp.rank for lp in out.top_logprobs[0].values()] == [1, 3]
+
+
+def test_rank_counts_strictly_larger_logprobs() -> None:
+    # ties share a rank; the sampled token's rank is counted over the whole vocabulary
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 2.0]])
+    out = sample(logits, SamplingParams(temperature=0, logprobs=3, repetition_penalty=100.0),
+                 outs=[[1, 2, 4]])  # the penalty drives the pick to token 0
+    assert out.token_ids == [0]
+    assert {t: lp.rank for t, lp in out.top_logprobs[0].items()} == {1: 1, 2: 1, 4: 3, 0: 4}
 
 
 def test_logprobs_larger_than_vocab() -> None:
     out = sample(torch.tensor([[0.0, 1.0, 2.0]]), SamplingParams(logprobs=5))
     assert sorted(out.top_logprobs[0]) == [0, 1, 2]
-    assert math.isclose(sum(math.exp(v) for v in out.top_logprobs[0].values()), 1, rel_tol=1e-5)
+    assert math.isclose(sum(math.exp(v.logprob) for v in out.top_logprobs[0].values()), 1,
+                        rel_tol=1e-5)
+    assert [v.rank for v in out.top_logprobs[0].values()] == [1, 2, 3]
 
 
 def test_prompt_logprobs() -> None:
@@ -355,11 +373,14 @@ def test_prompt_logprobs() -> None:
     assert len(res) == 5 and res[0] is None
     for i in range(1, 5):
         entry = res[i]
-        assert entry[ids[i]] == pytest.approx(raw[i - 1, ids[i]].item(), abs=1e-6)
+        assert entry[ids[i]].logprob == pytest.approx(raw[i - 1, ids[i]].item(), abs=1e-6)
+        assert entry[ids[i]].rank == 1 + int((raw[i - 1] > raw[i - 1, ids[i]]).sum())
         assert list(entry)[:2] == raw[i - 1].topk(2).indices.tolist()
-    assert prompt_logprobs(logits[:4], torch.tensor(ids), 0)[1:] == [
-        {ids[i]: pytest.approx(raw[i - 1, ids[i]].item(), abs=1e-6)} for i in range(1, 5)
-    ]
+        assert [lp.rank for lp in list(entry.values())[:2]] == [1, 2]
+    bare = prompt_logprobs(logits[:4], torch.tensor(ids), 0)[1:]
+    assert [list(e) for e in bare] == [[ids[i]] for i in range(1, 5)]
+    for i, e in enumerate(bare, start=1):
+        assert e[ids[i]].logprob == pytest.approx(raw[i - 1, ids[i]].item(), abs=1e-6)
     assert Sampler.prompt_logprobs(logits[:1], [4], 3) == [None]
     with pytest.raises(ValueError):
         prompt_logprobs(logits, ids[:2], 1)

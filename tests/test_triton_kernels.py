@@ -498,13 +498,13 @@ def _copy_pl(pl):
     ("linear", "ssc", False, [1, 4, 2, 3]), ("linear", "ssc", True, [3, 1, 1, 2]),
 ])
 def test_decode_paged_linear_hook_matches_engine(backend, family, variant, fetch, row_k):
-    # dispatch.decode_paged_linear (the proposed MCMemory.decode_paged hook) == decode_paged
+    # MCMemory.decode_paged_kernels (decode over the kernels, the engine's CUDA path) ==
+    # decode_paged (the torch path)
     mc, pl, x, gates = _paged_layer(family, variant, 21, [5, 0, 2, 3], fetch=fetch,
                                     row_top_k=row_k)
     pl_a, pl_b = _copy_pl(pl), _copy_pl(pl)
     want = mc.decode_paged(pl_a, x["q"], x["k"], x["v"], x["u"], gates)
-    got = dispatch.decode_paged_linear(mc, pl_b, x["q"], x["k"], x["v"], x["u"], gates,
-                                       backend=backend)
+    got = mc.decode_paged_kernels(pl_b, x["q"], x["k"], x["v"], x["u"], gates, backend=backend)
     assert _rel(got, want) < 1e-10
     assert torch.equal(pl_a.seg_ksum, pl_b.seg_ksum)
     for key in pl_a.mem:

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch
 
-from mcserve.config import EngineConfig, ModelConfig
-from mcserve.engine.outputs import CompletionOutput, RequestOutput
+from mcserve.config import EngineConfig, MCConfig, ModelConfig
+from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mcserve.engine.runner import ModelRunner
 from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
 from mcserve.engine.scheduler import Scheduler
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
 from mcserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from mcserve.errors import InvalidRequestError
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.packed_linear import pack_linears
 from mcserve.models.registry import load_model
@@ -69,23 +70,19 @@ class LLMEngine:
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer or Tokenizer.byte_level()
         self.model_name = model_name or "mcserve"
-        mcfg = self.model_config
-        salt = json.dumps(mcfg.to_dict(), sort_keys=True).encode()
-        ssc = mcfg.mc_variant == "ssc"
-        # staging rows for host blocks the ssc router selects: every row's picks at once (each
-        # head stages into its own slice of a row)
-        staging = config.max_num_seqs * mcfg.mc_top_k if ssc else 0
-        segmented = mcfg.mc_variant not in ("none", "loglinear")
-        self.num_state_blocks = self._pool_size(config, model, segmented)
+        self.mc: MCConfig = self.model_config.mc
+        salt = json.dumps(self.model_config.to_dict(), sort_keys=True).encode()
+        # staging rows for the host blocks a selecting router picks: every row's picks at once
+        # (each head stages into its own slice of a row)
+        staging = config.max_num_seqs * self.mc.top_k if self.mc.selects else 0
+        self.num_state_blocks = self._pool_size(config, self.mc)
         self.cache = StateCache(model, self.num_state_blocks, config.max_num_seqs,
                                 config.enable_prefix_caching, salt=salt,
                                 host_blocks=config.host_state_blocks, staging_blocks=staging)
         self.scheduler = Scheduler(
-            self.cache, segment_len=mcfg.segment_len,
-            segmented=segmented,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, offload=ssc)
-        self.runner = ModelRunner(model, self.cache)
+            self.cache, self.mc, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, self.mc)
         self.scheduler.on_release = self.runner.release
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
@@ -93,25 +90,26 @@ class LLMEngine:
         self._global_gen = torch.Generator(device="cpu").manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._token_text: dict[int, str] = {}  # decoded_token of reported logprobs
 
-    @staticmethod
-    def _pool_size(config: EngineConfig, model: MCForCausalLM, segmented: bool) -> int:
+    def _pool_size(self, config: EngineConfig, mc: MCConfig) -> int:
         """``num_state_blocks``, or when None: every slot at ``max_model_len`` (one block per
-        completed segment), capped by the ``state_cache_mib`` budget; zero without segments
-        (a block of a 130M Mamba2 is 19 MB, so a fixed count can exhaust host memory)."""
+        completed segment), capped by the ``state_cache_mib`` budget; zero for variants whose
+        checkpoints are not pool blocks (a block of a 130M Mamba2 is 19 MB, so a fixed count
+        can exhaust host memory)."""
         if config.num_state_blocks is not None:
             return config.num_state_blocks
-        if not segmented:
+        if not mc.caches_blocks:
             return 0
-        want = config.max_num_seqs * (config.max_model_len // model.config.segment_len)
-        budget = config.state_cache_mib * 2**20 // StateCache.block_bytes(model)
+        want = config.max_num_seqs * (config.max_model_len // mc.segment_len)
+        budget = config.state_cache_mib * 2**20 // StateCache.block_bytes(self.model)
         return max(1, min(want, budget))
 
     # ------------------------------------------------------------------ describe
     def describe(self) -> str:
-        m, c = self.model_config, self.config
+        m, c, mc = self.model_config, self.config, self.mc
         return (f"model={self.model_name} ({m.memory}, {m.n_layers} layers, d={m.d_model}) "
-                f"mc={m.mc_variant}/{m.mc_mode} segment_len={m.segment_len} top_k={m.mc_top_k} "
+                f"mc={mc.variant}/{mc.mode} segment_len={mc.segment_len} top_k={mc.top_k} "
                 f"device={c.device} dtype={c.dtype} slots={c.max_num_seqs} "
                 f"blocks={self.num_state_blocks} "
                 f"({self.cache.bytes_per_block * self.num_state_blocks / 2**20:.0f} MiB) "
@@ -121,43 +119,51 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     *, prompt_token_ids: list[int] | None = None,
                     mc_overrides: dict | None = None) -> None:
+        """Queue a request. A request the engine refuses raises ``InvalidRequestError`` (a
+        ``ValueError``) whose ``param`` names the field at fault (``"prompt"``, ``"max_tokens"``,
+        ``"mc_top_k"``...; None for ``request_id`` and ``params``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
+            raise InvalidRequestError("params must be a SamplingParams")
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} already exists")
-        top_k = self._check_overrides(mc_overrides or {})
+            raise InvalidRequestError(f"request_id {request_id!r} already exists")
+        mc_top_k = self._check_overrides(mc_overrides or {})
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
-                raise ValueError("prompt must be a string (or pass prompt_token_ids)")
+                raise InvalidRequestError("prompt must be a string (or pass prompt_token_ids)",
+                                          param="prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         V = self.model_config.vocab_size
         if any(t < 0 or t >= V for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {V})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {V})", param="prompt")
         L = self.config.max_model_len
         if len(ids) >= L:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={L} "
-                             f"minus one generated token")
+            raise InvalidRequestError(
+                f"prompt is {len(ids)} tokens, longer than max_model_len={L} minus one generated "
+                f"token", param="prompt")
         total = len(ids) + (params.max_tokens or L - len(ids))
         if params.max_tokens is not None and total > L:
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens "
-                             f"exceeds max_model_len={L}")
-        C = self.model_config.segment_len
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                f"max_model_len={L}", param="max_tokens")
+        C = self.mc.segment_len
         room = self.cache.num_blocks + (self.cache.num_host_blocks if self.scheduler.offload
                                         else 0)
-        if self.scheduler.segmented and min(total, L) // C > room:
-            raise ValueError(f"the request needs up to {min(total, L) // C} state blocks but the "
-                             f"pools hold {room} (num_state_blocks, host_state_blocks for ssc)")
+        if self.mc.caches_blocks and min(total, L) // C > room:
+            raise InvalidRequestError(
+                f"the request needs up to {min(total, L) // C} state blocks but the pools hold "
+                f"{room} (num_state_blocks, host_state_blocks for ssc)")
         req = _Request(request_id, prompt, ids, params)
         arrival = next(self._arrival)
+        # blocks computed under another top_k are never shared: the override salts the hashes
+        salt = self.cache.salt + (f"|top_k={mc_top_k}".encode() if mc_top_k else b"")
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), params,
                            generator=make_generator(params.seed, "cpu", i), arrival=arrival,
-                           top_k=top_k, salt=self.cache.salt + (
-                               f"|top_k={top_k}".encode() if top_k else b""))
+                           mc_top_k=mc_top_k, salt=salt)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
@@ -167,19 +173,21 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
 
     def _check_overrides(self, overrides: dict) -> int | None:
-        """Per-request MC settings this model allows: ``mc_top_k`` for ssc (blocks computed
-        under another top_k are never shared: the per-request value salts the prefix hash)."""
-        allowed = ("mc_top_k",) if self.model_config.mc_variant == "ssc" else ()
-        bad = sorted(set(overrides) - set(allowed))
+        """Per-request MC settings this model allows: ``mc_top_k`` for a selecting variant
+        (ssc)."""
+        allowed = ("mc_top_k",) if self.mc.selects else ()
+        bad = [k for k in overrides if k not in allowed]
         if bad:
-            raise ValueError(f"mc overrides {bad} are not supported per request by this model "
-                             f"(mc_variant={self.model_config.mc_variant!r}; allowed: "
-                             f"{list(allowed)}); set them when starting the engine")
+            raise InvalidRequestError(
+                f"mc overrides {sorted(bad)} are not supported per request by this model "
+                f"(mc_variant={self.mc.variant!r}; allowed: {list(allowed)}); set them when "
+                f"starting the engine", param=bad[0])
         k = overrides.get("mc_top_k")
         if k is None:
             return None
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"mc_top_k must be a positive integer, got {k!r}")
+            raise InvalidRequestError(f"mc_top_k must be a positive integer, got {k!r}",
+                                      param="mc_top_k")
         return k
 
     def abort_request(self, request_id: str) -> None:
@@ -305,14 +313,27 @@ class LLMEngine:
         end = min(p0 + logits.shape[0], len(ids) - 1)
         if end > p0:
             lp = prompt_logprobs(logits[:end - p0].float(), ids[p0:end + 1], n)
-            seq.prompt_logprobs.extend(lp[1:])  # lp[0] is the None of "no context"
+            seq.prompt_logprobs.extend(self._with_text(e) for e in lp[1:])  # lp[0]: no context
 
-    def _append(self, seq: Sequence, tok: int, logprob: float, top: dict | None) -> None:
+    def _with_text(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """Fill ``decoded_token`` of the sampler's Logprobs: each token's own text (special
+        tokens included: logprobs name every token), decoded once per engine."""
+        for tid, lp in entry.items():
+            text = self._token_text.get(tid)
+            if text is None:
+                text = self._token_text[tid] = self.tokenizer.decode(
+                    [tid], skip_special_tokens=False)
+            lp.decoded_token = text
+        return entry
+
+    def _append(self, seq: Sequence, tok: int, logprob: float,
+                top: dict[int, Logprob] | None) -> None:
         p = seq.params
         seq.output_ids.append(tok)
         seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(top if top is not None else {tok: logprob})
+            seq.logprobs.append(self._with_text(top if top is not None
+                                                else {tok: Logprob(logprob)}))
         self.generation_tokens_total += 1
         prev_len = len(seq.detok.text)
         seq.detok.add(tok)

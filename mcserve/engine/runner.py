@@ -15,20 +15,22 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from mcserve.config import MCConfig
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
-from mcserve.engine.state_cache import StateCache, block_hash
+from mcserve.engine.state_cache import StateCache, chain_hashes
 from mcserve.models.mc import MCLayerState, PagedLayer
 from mcserve.models.native import LayerState, MCForCausalLM, ModelState
 
 
 class ModelRunner:
-    def __init__(self, model: MCForCausalLM, cache: StateCache):
+    def __init__(self, model: MCForCausalLM, cache: StateCache, mc: MCConfig):
         self.model = model
         self.cache = cache
-        cfg = model.config
-        self.C = cfg.segment_len
-        self.segmented = cfg.mc_variant != "none"
+        self.mc = mc
+        # completed segments become pool blocks (constant segmentation); False: no segments
+        # at all, or loglinear's private states (below)
+        self.caches_blocks = mc.caches_blocks
         self.mems = [blk.mixer.memory for blk in model.layers]
         self.inits = [blk.mixer.init_memory() for blk in model.layers]
         # the initial online memory of each layer, without the batch dim
@@ -36,10 +38,9 @@ class ModelRunner:
             {k: t[0] for k, t in blk.mixer.init_state(1, model.dtype, model.device).mc.mem.items()}
             for blk in model.layers
         ]
-        self.independent = cfg.mc_mode == "independent"
-        # loglinear's checkpoints change every token (a stack of at most log2(n) + 1 per layer):
-        # its sequences keep their model state privately instead of in the pools
-        self.private = cfg.mc_variant == "loglinear"
+        # checkpoints that change every token (loglinear: a stack of at most log2(n) + 1 per
+        # layer): the sequences keep their model state privately instead of in the pools
+        self.private = mc.log_segmented
         self.states: dict[int, ModelState] = {}
 
     # ------------------------------------------------------------------ state <-> pool
@@ -51,13 +52,13 @@ class ModelRunner:
         if resume_block < 0:
             self.cache.clear_slot(seq.slot, self.init_mem)
         else:
-            init = self.init_mem if self.independent else [None] * len(self.init_mem)
+            init = self.init_mem if self.mc.independent else [None] * len(self.init_mem)
             self.cache.copy_block_to_slot(resume_block, seq.slot, init)
 
     def load_state(self, seq: Sequence) -> ModelState:
         """A batch-of-one model state for ``seq`` from its slot and block table."""
         s, table = seq.slot, seq.block_table
-        N = len(table)
+        N, C = len(table), self.mc.segment_len
         idx = torch.tensor(table, dtype=torch.long, device=self.model.device)
         layers = []
         for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
@@ -73,10 +74,11 @@ class ModelRunner:
                 cached = {k: self.cache.read_block(li, f"mem.{k}", table)[None] for k in keys}
                 ksum = bl["ksum"][idx][None]
             st = MCLayerState(
-                mem=mem, seg_ksum=sl["seg_ksum"][s:s + 1].clone(), seg_len=seq.seg_len,
-                cached=cached, cached_ksum=ksum, cached_len=[self.C] * ksum.shape[1],
-                cached_pos=[(i + 1) * self.C for i in range(ksum.shape[1])], n_segments=N,
-                pos=seq.num_computed_tokens, v_dim=self.model.config.head_dim, top_k=seq.top_k,
+                mem=mem, seg_ksum=sl["seg_ksum"][s:s + 1].clone(), seg_len=seq.segment_fill,
+                cached=cached, cached_ksum=ksum, cached_len=[C] * ksum.shape[1],
+                cached_pos=[(i + 1) * C for i in range(ksum.shape[1])], n_segments=N,
+                pos=seq.num_computed_tokens, v_dim=self.model.config.head_dim,
+                top_k=seq.mc_top_k,
             )
             conv = sl["conv"][s:s + 1].clone() if "conv" in sl else None
             layers.append(LayerState(st, conv))
@@ -115,9 +117,9 @@ class ModelRunner:
         return ModelState(layers)
 
     def _register(self, seq: Sequence, bid: int) -> None:
-        i = len(seq.block_table)
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        h = block_hash(parent, seq.all_ids[i * self.C:(i + 1) * self.C], seq.salt)
+        """Block ``bid`` holds the checkpoint of ``seq``'s segment that just completed."""
+        h, = chain_hashes(seq.all_ids, self.mc.segment_len, seq.salt,
+                          len(seq.block_table) + 1, seq.block_hashes)
         seq.block_table.append(bid)
         seq.block_hashes.append(h)
         self.cache.register(bid, h)
@@ -131,7 +133,7 @@ class ModelRunner:
         seq = item.seq
         if self.private:
             return None
-        return (item.num_tokens, seq.seg_len, len(seq.block_table), seq.top_k)
+        return (item.num_tokens, seq.segment_fill, len(seq.block_table), seq.mc_top_k)
 
     @torch.no_grad()
     def prefill_batch(self, items: list[ScheduledSeq]) -> Tensor:
@@ -149,19 +151,20 @@ class ModelRunner:
         n = items[0].num_tokens
         rows = [q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n] for q in seqs]
         new_blocks = [list(it.new_blocks) for it in items]
+        C = self.mc.segment_len
         p, logits = 0, None
         while p < n:
             m = n - p
-            if self.segmented:
-                m = min(m, self.C - seqs[0].seg_len)
+            if self.caches_blocks:
+                m = min(m, C - seqs[0].segment_fill)
             x = torch.tensor([r[p:p + m] for r in rows], dtype=torch.long,
                              device=self.model.device)
             logits, state = self.model(x, state, last_only=True)
             p += m
             for q in seqs:
                 q.num_computed_tokens += m
-                q.seg_len += m
-            if self.segmented and seqs[0].seg_len == self.C:
+                q.segment_fill += m
+            if self.caches_blocks and seqs[0].segment_fill == C:
                 self._push_state(seqs, state, [nb.pop(0) for nb in new_blocks])
         assert not any(new_blocks), "scheduler allocated blocks the chunk did not complete"
         self.store_state(seqs, state)
@@ -185,18 +188,19 @@ class ModelRunner:
         p0 = seq.num_computed_tokens
         ids = seq.all_ids[p0:p0 + item.num_tokens]
         new_blocks = list(item.new_blocks)
+        C = self.mc.segment_len
         outs, p = [], 0
         while p < len(ids):
             n = len(ids) - p
-            if self.segmented:
-                n = min(n, self.C - seq.seg_len)
+            if self.caches_blocks:
+                n = min(n, C - seq.segment_fill)
             x = torch.tensor([ids[p:p + n]], dtype=torch.long, device=self.model.device)
             logits, state = self.model(x, state, last_only=not want_all_logits)
             outs.append(logits[0] if want_all_logits else logits[0, -1:])
             p += n
             seq.num_computed_tokens += n
-            seq.seg_len += n
-            if self.segmented and seq.seg_len == self.C:
+            seq.segment_fill += n
+            if self.caches_blocks and seq.segment_fill == C:
                 self._push_state([seq], state, [new_blocks.pop(0)])
         assert not new_blocks, "scheduler allocated blocks the chunk did not complete"
         self.store_state([seq], state)
@@ -219,7 +223,7 @@ class ModelRunner:
                 for k in mc.family.readout_keys:
                     bl[f"csum.{k}"][idx] = st.cached[k][:, 0]
         for seq, bid in zip(seqs, bids, strict=True):
-            seq.seg_len = 0
+            seq.segment_fill = 0
             self._register(seq, bid)
 
     # ------------------------------------------------------------------ decode
@@ -254,12 +258,12 @@ class ModelRunner:
             for r, s in enumerate(seqs):
                 if s.block_table:
                     table[r, :len(s.block_table)] = s.table_tensor(dev)
-        seg_len = torch.tensor([s.seg_len for s in seqs], dtype=torch.long, device=dev)
+        seg_len = torch.tensor([s.segment_fill for s in seqs], dtype=torch.long, device=dev)
         n_seg = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long, device=dev)
         layers = []
         offloaded = bool((table >= self.cache.host_base).any())
-        top_k = (torch.tensor([s.top_k or self.model.config.mc_top_k for s in seqs], device=dev)
-                 if any(s.top_k for s in seqs) else None)
+        top_k = (torch.tensor([s.mc_top_k or self.mc.top_k for s in seqs], device=dev)
+                 if any(s.mc_top_k for s in seqs) else None)
         rows_in = []  # per layer: the slot tensors' rows as handed to the model
         for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
                                               strict=True)):
@@ -281,7 +285,9 @@ class ModelRunner:
         tokens = torch.tensor([[s.last_id] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]
         # rows whose segment completes with this token push a checkpoint
-        done = [r for r, s in enumerate(seqs) if self.segmented and s.seg_len + 1 == self.C]
+        C = self.mc.segment_len
+        done = [r for r, s in enumerate(seqs)
+                if self.caches_blocks and s.segment_fill + 1 == C]
         if done:
             rows = torch.tensor(done, dtype=torch.long, device=dev)
             bids = torch.tensor([items[r].new_blocks[0] for r in done], dtype=torch.long,
@@ -298,7 +304,7 @@ class ModelRunner:
                     for k in mc.family.readout_keys:
                         pl.csum[k][rows] += pl.mem[k][rows]
                         bl[f"csum.{k}"][bids] = pl.csum[k][rows]
-                if self.independent:
+                if self.mc.independent:
                     for k, t in pl.mem.items():
                         t[rows] = init[k]
         for sl, pl, got in zip(self.cache.slot, layers, rows_in, strict=True):
@@ -313,9 +319,9 @@ class ModelRunner:
                     sl[name][idx] = t
         for r, s in enumerate(seqs):
             s.num_computed_tokens += 1
-            s.seg_len += 1
+            s.segment_fill += 1
             if r in done:
-                s.seg_len = 0
+                s.segment_fill = 0
                 self._register(s, items[r].new_blocks[0])
         if order == sorted(order):
             return logits

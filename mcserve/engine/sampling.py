@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mcserve.engine.outputs import Logprob
+from mcserve.errors import InvalidRequestError
+
 __all__ = [
     "MAX_LOGPROBS",
     "Sampler",
@@ -44,23 +47,28 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _invalid(name: str, message: str) -> InvalidRequestError:
+    """The error for field ``name``: its message starts with the name, ``param`` is the name."""
+    return InvalidRequestError(f"{name} {message}", param=name)
+
+
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise _invalid(name, f"must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise _invalid(name, f"must be {bound}, got {value}")
 
 
 def _check_float(name: str, value: object) -> float:
     if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise _invalid(name, f"must be a finite number, got {value!r}")
     return float(value)
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a boolean, got {value!r}")
+        raise _invalid(name, f"must be a boolean, got {value!r}")
 
 
 @dataclass
@@ -68,7 +76,8 @@ class SamplingParams:
     """Decoding settings of one request. Names, defaults and meanings follow vLLM.
 
     ``stop`` and ``stop_token_ids`` are normalised to lists (``None`` -> ``[]``). Invalid values
-    raise ``ValueError`` whose message starts with the argument's name.
+    raise ``InvalidRequestError`` (a ``ValueError``) whose ``param`` is the argument's name and
+    whose message starts with it.
     """
 
     n: int = 1  # completions per request
@@ -95,27 +104,27 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, 1)
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise _invalid("temperature", f"must be >= 0, got {self.temperature}")
         self.top_p = _check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise _invalid("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, -1)
         self.min_p = _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise _invalid("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise _invalid("seed", f"must be an integer or None, got {self.seed!r}")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         _check_bool("ignore_eos", self.ignore_eos)
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise _invalid(name, f"must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise _invalid("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -130,9 +139,9 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise _invalid("stop", f"must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in stop):
-            raise ValueError("stop must not contain empty strings")
+            raise _invalid("stop", "must not contain empty strings")
         return list(stop)
 
     @staticmethod
@@ -140,9 +149,8 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {ids!r}"
-            )
+            raise _invalid("stop_token_ids",
+                           f"must be a list of non-negative integers, got {ids!r}")
         return list(ids)
 
     @property
@@ -176,9 +184,10 @@ class SamplerOutput:
     token_ids: list[int]
     # log-prob of the sampled token under the raw model distribution (log_softmax of the logits)
     logprobs: list[float]
-    # rows whose params.logprobs is not None: {token_id: raw logprob}, the top ``logprobs``
-    # alternatives in decreasing order, then the sampled token if it is not among them
-    top_logprobs: list[dict[int, float] | None]
+    # rows whose params.logprobs is not None: {token_id: Logprob} (raw logprob and rank, no
+    # text: the engine decodes it), the top ``logprobs`` alternatives in decreasing order, then
+    # the sampled token if it is not among them
+    top_logprobs: list[dict[int, Logprob] | None]
 
 
 def _row_tensor(values: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -250,33 +259,47 @@ class Sampler:
 
         token_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
 
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        n_max = min(max((params[i].logprobs for i in want), default=0), v)
-        top_vals: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if want and n_max > 0:
-            w = torch.tensor(want, device=device)
-            vals, ids = raw_logprobs[w].topk(n_max, dim=-1)
-            top_vals, top_ids = vals.tolist(), ids.tolist()
-
         token_list = sampled.tolist()
         logprob_list = token_logprobs.tolist()
-        top: list[dict[int, float] | None] = [None] * b
-        for j, i in enumerate(want):
-            n = min(params[i].logprobs, v)
-            entry: dict[int, float] = {}
-            if n > 0:
-                entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
-            entry.setdefault(token_list[i], logprob_list[i])
-            top[i] = entry
+        top: list[dict[int, Logprob] | None] = [None] * b
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:  # only the rows that asked: ranks cost a pass over their vocabulary
+            w = torch.tensor(want, device=device)
+            entries = _logprob_entries(raw_logprobs[w], sampled[w], token_logprobs[w],
+                                       [params[i].logprobs for i in want])
+            for i, entry in zip(want, entries, strict=True):
+                top[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=logprob_list, top_logprobs=top)
 
     @staticmethod
     def prompt_logprobs(
         logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], n: int
-    ) -> list[dict[int, float] | None]:
+    ) -> list[dict[int, Logprob] | None]:
         """See :func:`prompt_logprobs`."""
         return prompt_logprobs(logits, token_ids, n)
+
+
+def _logprob_entries(
+    logprobs: torch.Tensor, chosen: torch.Tensor, chosen_lp: torch.Tensor, ns: Sequence[int]
+) -> list[dict[int, Logprob]]:
+    """Per row r of ``logprobs`` (R, V): ``{token_id: Logprob}`` holding the top ``ns[r]``
+    alternatives (decreasing), then ``chosen[r]`` (log-prob ``chosen_lp[r]``) if it is not among
+    them. A rank is 1 + the number of tokens with a strictly larger log-prob (ties share one):
+    an alternative's is counted among the top ``max(ns)`` (every larger token is in there), the
+    chosen token's over the whole row."""
+    chosen_rank = ((logprobs > chosen_lp[:, None]).sum(-1) + 1).tolist()
+    n_max = min(max(ns, default=0), logprobs.shape[1])
+    if n_max > 0:
+        vals, ids = logprobs.topk(n_max, dim=-1)
+        ranks = ((vals[:, None, :] > vals[:, :, None]).sum(-1) + 1).tolist()
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+    out = []
+    for r, (tok, lp) in enumerate(zip(chosen.tolist(), chosen_lp.tolist(), strict=True)):
+        n = min(ns[r], n_max)
+        entry = {ids_l[r][j]: Logprob(vals_l[r][j], ranks[r][j]) for j in range(n)}
+        entry.setdefault(tok, Logprob(lp, chosen_rank[r]))
+        out.append(entry)
+    return out
 
 
 def _token_counts(
@@ -386,13 +409,13 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
 
 def prompt_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], n: int
-) -> list[dict[int, float] | None]:
+) -> list[dict[int, Logprob] | None]:
     """Prompt logprobs of a sequence of T tokens, from the raw model distribution.
 
     ``logits`` is (T, V) (or (T-1, V)): row t is the model's output after reading token t.
     Entry 0 is None (the first token has no context); entry i >= 1 maps the top ``n``
-    alternatives at position i (decreasing) and token i itself to their log-probs given the
-    tokens before i (row i-1 of ``logits``).
+    alternatives at position i (decreasing) and token i itself to their ``Logprob`` (log-prob
+    given the tokens before i, from row i-1 of ``logits``, and rank; no text).
 
     For a prompt processed in chunks, call it per chunk with the previous chunk's last logits row
     and last token prepended, and drop the leading None.
@@ -406,18 +429,11 @@ def prompt_logprobs(
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     if t == 0:
         return []
-    result: list[dict[int, float] | None] = [None]
+    result: list[dict[int, Logprob] | None] = [None]
     if t == 1:
         return result
     lp = torch.log_softmax(logits[: t - 1].float(), dim=-1)
     targets = ids[1:]
-    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
-    k = min(n, lp.shape[1])
-    if k > 0:
-        vals, top = lp.topk(k, dim=-1)
-        vals_l, top_l = vals.tolist(), top.tolist()
-    for j, tok in enumerate(targets.tolist()):
-        entry: dict[int, float] = dict(zip(top_l[j], vals_l[j])) if k > 0 else {}
-        entry.setdefault(tok, chosen[j])
-        result.append(entry)
+    chosen = lp.gather(1, targets[:, None]).squeeze(1)
+    result.extend(_logprob_entries(lp, targets, chosen, [n] * (t - 1)))
     return result

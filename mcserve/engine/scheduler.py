@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mcserve.config import MCConfig
 from mcserve.engine.sequence import Sequence, Status
-from mcserve.engine.state_cache import StateCache, block_hash
+from mcserve.engine.state_cache import StateCache, chain_hashes
 
 
 @dataclass
@@ -39,14 +40,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: StateCache, *, segment_len: int, segmented: bool,
-                 max_num_seqs: int, max_num_batched_tokens: int, offload: bool = False):
+    def __init__(self, cache: StateCache, mc: MCConfig, *, max_num_seqs: int,
+                 max_num_batched_tokens: int):
         self.cache = cache
-        # ssc with a host tier: blocks of running sequences move to the host when the device
-        # pool is full (the router reads key sums; selected blocks are fetched per token)
-        self.offload = offload and cache.num_host_blocks > 0
-        self.C = segment_len
-        self.segmented = segmented  # False for variant "none": no checkpoints at all
+        self.mc = mc
+        # pool blocks to plan for: constant segments only (none has no checkpoints, loglinear's
+        # change every token and stay private to the runner)
+        self.caches_blocks = mc.caches_blocks
+        # a selecting variant with a host tier: blocks of running sequences move to the host
+        # when the device pool is full (the router reads key sums; its picks are fetched per
+        # token)
+        self.offload = mc.selects and cache.num_host_blocks > 0
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -89,7 +93,7 @@ class Scheduler:
         else:
             self._release(seq)
             seq.num_computed_tokens = 0
-            seq.seg_len = 0
+            seq.segment_fill = 0
             seq.block_hashes = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -98,23 +102,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        if not self.segmented:
+        if not self.caches_blocks:
             return 0
-        p = seq.num_computed_tokens
-        return (p + n) // self.C - p // self.C
+        C, p = self.mc.segment_len, seq.num_computed_tokens
+        return (p + n) // C - p // C
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute now: all that is left, or the longest budget-fitting piece that
         ends on a segment boundary (and completes at most half the device pool's blocks)."""
         left = seq.num_uncomputed
-        if self.segmented:
-            budget = min(budget, max(1, self.cache.num_blocks // 2) * self.C)
+        C = self.mc.segment_len
+        if self.caches_blocks:
+            budget = min(budget, max(1, self.cache.num_blocks // 2) * C)
         if left <= budget:
             return left
-        if not self.segmented:
+        if not self.caches_blocks:
             return budget
         p = seq.num_computed_tokens
-        return max(0, (p + budget) // self.C * self.C - p)
+        return max(0, (p + budget) // C * C - p)
 
     def _offload_for(self, seq: Sequence) -> bool:
         """Free a device block by moving one of ``seq``'s own (else the oldest running
@@ -127,16 +132,12 @@ class Scheduler:
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the complete segments that may be reused: at least one token must remain to
         be computed (its logits are needed), and prompt logprobs need every position computed."""
-        if not self.segmented or not self.cache.enable_prefix_caching:
+        if not self.caches_blocks or not self.cache.enable_prefix_caching:
             return []
         if seq.params.prompt_logprobs is not None:
             return []
-        ids = seq.all_ids
-        out, parent = [], None
-        for s in range((len(ids) - 1) // self.C):
-            parent = block_hash(parent, ids[s * self.C:(s + 1) * self.C], seq.salt)
-            out.append(parent)
-        return out
+        ids, C = seq.all_ids, self.mc.segment_len
+        return chain_hashes(ids, C, seq.salt, (len(ids) - 1) // C)
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Admit a swapped-out sequence; returns the tokens scheduled (0: it must wait)."""
@@ -198,9 +199,9 @@ class Scheduler:
             hits = self.cache.lookup(hashes)
             seq.slot, seq.block_table = slot, hits
             seq.block_hashes = hashes[:len(hits)]
-            seq.num_computed_tokens = len(hits) * self.C
+            seq.num_computed_tokens = len(hits) * self.mc.segment_len
             seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_ids))
-            seq.seg_len = 0
+            seq.segment_fill = 0
             n = self._chunk(seq, budget)
             need = self._blocks_needed(seq, n)
             blocks = self.cache.allocate(need) if n > 0 else None

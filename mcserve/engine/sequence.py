@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mcserve.engine.outputs import Logprob
 from mcserve.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -36,16 +37,16 @@ class Sequence:
     saved_slot: list | None = None  # the slot's contents while swapped out to the host tier
     block_table: list[int] = field(default_factory=list)  # one block per cached segment
     block_hashes: list[bytes] = field(default_factory=list)  # hash of each completed segment
-    seg_len: int = 0  # tokens in the online segment (< segment_len between steps)
+    segment_fill: int = 0  # tokens in the online segment (< segment_len between steps)
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
     detok: object | None = None  # IncrementalDetokenizer
     error: str | None = None
-    top_k: int | None = None  # per-request ssc top_k (mc_top_k override)
+    mc_top_k: int | None = None  # per-request override of MCConfig.top_k (selecting variants)
     salt: bytes = b""  # prefix-hash salt: model + MC config (+ per-request MC overrides)
     _table_cache: tuple | None = field(default=None, repr=False)
 

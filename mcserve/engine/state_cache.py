@@ -1,4 +1,4 @@
-"""The memory-state cache: the analogue of a paged KV cache for MC models (DESIGN.md §2.1).
+"""The memory-state cache: the analogue of a paged KV cache for MC models (docs/engine.md).
 
 Two preallocated pools on the model's device:
 
@@ -34,11 +34,30 @@ from mcserve.models.native import MCForCausalLM
 
 
 def block_hash(parent: bytes | None, token_ids: list[int], salt: bytes) -> bytes:
+    """One link of the chain: the hash of a segment's tokens after the segment hashed
+    ``parent`` (None: the first segment), under ``salt`` (model + MC configuration)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(salt)
     h.update(b",".join(str(t).encode() for t in token_ids))
     return h.digest()
+
+
+def chain_hashes(token_ids: list[int], segment_len: int, salt: bytes, stop: int,
+                 done: list[bytes] | None = None) -> list[bytes]:
+    """The prefix-cache keys of segments ``len(done) .. stop - 1`` of ``token_ids``.
+
+    Segment s covers tokens ``[s·segment_len, (s+1)·segment_len)``; its key chains the key of
+    segment s - 1 (the last of ``done``, the keys already computed), so equal keys mean equal
+    whole prefixes. The scheduler keys a prompt's segments with it to look them up, the runner
+    each segment as it completes to register its block: the same function, the same keys.
+    """
+    out: list[bytes] = []
+    parent = done[-1] if done else None
+    for s in range(len(done or ()), stop):
+        parent = block_hash(parent, token_ids[s * segment_len:(s + 1) * segment_len], salt)
+        out.append(parent)
+    return out
 
 
 class StateCache:
@@ -130,10 +149,6 @@ class StateCache:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks) + len(self.evictable)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
@@ -334,13 +349,6 @@ class StateCache:
                 self.num_offloaded += 1
                 return i
         return None
-
-    def reset_prefix_cache(self) -> None:
-        for bid in list(self.evictable):
-            del self.by_hash[self.hash_of[bid]]
-            self.hash_of[bid] = None
-            self.free_blocks.append(bid)
-        self.evictable.clear()
 
     # ------------------------------------------------------------------ copies
     def copy_block_to_slot(self, bid: int, slot: int, init_mem: list[dict[str, Tensor] | None]

@@ -28,7 +28,7 @@ from mcserve.kernels.triton import twins
 BACKENDS = ("reference", "torch", "triton")
 
 __all__ = ["BACKENDS", "get_backend", "triton_available", "paged_mc_decode_linear",
-           "ssc_router", "chunk_linear_prefill", "decode_paged_linear", "mc_linear"]
+           "ssc_router", "chunk_linear_prefill", "mc_linear"]
 
 
 @lru_cache(maxsize=1)
@@ -125,47 +125,6 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
     else:
         fn = twins.chunk_linear_prefill_reference
     return fn(q, k, v, log_a, b, initial_state, **kw)
-
-
-def decode_paged_linear(mc, pl, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
-                        gates: dict[str, Tensor], backend: str | None = None) -> Tensor:
-    """``MCMemory.decode_paged`` for a matrix memory (``linear``/``swla``) with variant
-    grm/soup/ssc, its cached readout done by ``paged_mc_decode_linear`` (the engine's hook).
-
-    ``mc`` is the ``MCMemory``, ``pl`` the ``PagedLayer``; q, k, u ``(B, 1, H, K)``, v
-    ``(B, 1, H, V)``. Like ``decode_paged`` it updates ``pl.mem`` and ``pl.seg_ksum`` and returns
-    y ``(B, 1, H, V)``. Host-tier blocks (``pl.fetch``): for ssc the router picks first and only
-    the picked blocks are fetched (then a softmax over them and the online memory, i.e. grm over
-    a per-head table); otherwise every block of the table is fetched. Per-request ssc top_k
-    overrides (``pl.top_k`` ``(B,)``, if the layer has them) are honoured.
-    """
-    variant = mc.cfg.variant
-    if not mc.family.linear or mc.collapsed or variant not in ("grm", "soup", "ssc"):
-        raise ValueError("decode_paged_linear handles linear/swla memories with grm/soup/ssc")
-    C, top_k = mc.cfg.segment_len, mc.cfg.top_k
-    row_top_k = getattr(pl, "top_k", None) if variant == "ssc" else None
-    if row_top_k is not None:
-        top_k = int(row_top_k.max())  # the kernel's compile-time pick count
-    cum = pl.seg_ksum + k[:, 0]
-    pl.seg_ksum = cum
-    p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
-    o, pl.mem = mc.family.scan(pl.mem, q, k, v, gates)
-    table, state_table = pl.table, None
-    if pl.fetch is not None:
-        if variant == "ssc" and (table.shape[1] > top_k or row_top_k is not None):
-            idx, _ = ssc_router(u[:, 0], pl.ksum_pool, table, segment_len=C, top_k=top_k,
-                                row_top_k=row_top_k, backend=backend)
-            B, H = idx.shape[:2]
-            ids = table[:, None, :].expand(B, H, table.shape[1]).gather(2, idx.clamp_min(0))
-            table = torch.where(idx >= 0, ids, -1)  # (B, H, top_k) block ids
-            variant, row_top_k = "grm", None
-        if table.dim() == 2:  # staging is per head: one list per (row, head)
-            table = table[:, None, :].expand(table.shape[0], q.shape[2], table.shape[1])
-        state_table = torch.where(table >= 0, pl.fetch(table.clamp_min(0), 1), -1)
-    y = paged_mc_decode_linear(q[:, 0], u[:, 0], o[:, 0], p_on, table, pl.pool["S"],
-                               pl.ksum_pool, variant=variant, segment_len=C, top_k=top_k,
-                               state_table=state_table, row_top_k=row_top_k, backend=backend)
-    return y[:, None]
 
 
 def mc_linear(q: Tensor, k: Tensor, v: Tensor, u: Tensor, a: Tensor | None = None,

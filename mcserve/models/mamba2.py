@@ -12,7 +12,7 @@ short causal depthwise conv (with bias) + SiLU over (x, B, C), the D skip, a gat
 (``norm(y·silu(z))`` per group, or ``norm(y)·silu(z)`` with ``norm_before_gate``) and the output
 projection. Blocks are pre-norm residual (RMSNorm → mixer), then a final RMSNorm and the LM head.
 
-Post-hoc MC (DESIGN.md §1.3): the memory of every layer is wrapped in ``MCMemory`` with the
+Post-hoc MC (docs/mc.md): the memory of every layer is wrapped in ``MCMemory`` with the
 checkpoint's MC settings (``mc_variant`` etc. in :class:`Mamba2Config`); the gated variants use
 u_t = q_t = C_t (``share_uq``), so no weights are added. ``mc_variant="none"`` is the model as
 trained, and equals transformers' ``Mamba2ForCausalLM`` to float rounding.
@@ -316,7 +316,7 @@ class Mamba2Block(nn.Module):
         in place. ``None`` otherwise: the Python path, its twin."""
         m = self.mixer
         S = pl.mem.get("S")
-        if (m.memory.cfg.variant != "none" or not pl.inplace or torch.is_grad_enabled()
+        if (m.memory.cfg.segmented or not pl.inplace or torch.is_grad_enabled()
                 or not x.is_cpu or x.dtype != torch.float32 or x.shape[1] != 1
                 or S is None or S.dtype != torch.float32 or S.stride(-1) != 1
                 or S.stride(-2) != S.shape[-1] or pl.conv is None or pl.conv.stride(-1) != 1

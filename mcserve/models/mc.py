@@ -1,6 +1,6 @@
 """Memory Caching over any memory family: segmentation, cached checkpoints, gates, aggregation.
 
-This is the fast (vectorised torch) path of DESIGN.md §1.2-1.3; ``mcserve.kernels.reference`` is
+This is the fast (vectorised torch) path of docs/mc.md; ``mcserve.kernels.reference`` is
 its oracle. ``MCMemory.forward`` consumes a span of tokens for a batch of sequences that sit at
 the same position and returns ``(y, state)``; any split of the tokens gives the same result, so
 prefill is one call and decode is one call per token.
@@ -51,6 +51,9 @@ _LOG_CHUNK = 64  # loglinear span path: tokens per chunk; its temporaries are O(
 # shorter loglinear spans (decode) take the per-token loop: ~20 ops a token beat the span path's
 # ~100 ops a chunk below about 3 tokens (CPU, B=1..8, H=8, K=V=64)
 _LOG_FAST_MIN = 4
+# the decode kernel's readout that gates every block its table lists (a softmax over them and
+# the online memory): what a selecting variant's picks are read with once routed
+_ROUTE_ALL = "grm"
 
 
 @dataclass(frozen=True)
@@ -232,12 +235,12 @@ class MCMemory:
         self.family = family
         self.cfg = cfg
         # residual/post on a linear memory keep one summed state: decode cost flat in N.
-        self.collapsed = family.linear and cfg.variant in ("residual", "post")
+        self.collapsed = cfg.collapses(family.linear)
         # soup equals grm on linear memories (the readout is linear in the parameters).
-        self.soup = cfg.variant == "soup" and not family.linear
+        self.soup = cfg.mixes_parameters and not family.linear
         # loglinear on gated linear attention: a chunked masked quadratic form per span instead
         # of one _log_advance + _piece per token. False selects the per-token loop (its twin).
-        self.loglinear_fast = cfg.variant == "loglinear" and isinstance(family, LinearMemory)
+        self.loglinear_fast = cfg.log_segmented and isinstance(family, LinearMemory)
 
     def init_state(self, batch: int, heads: int, k_dim: int, v_dim: int, *, dtype: torch.dtype,
                    device: torch.device | str, init: dict[str, Tensor] | None = None
@@ -265,15 +268,15 @@ class MCMemory:
         """
         T = q.shape[1]
         st = replace(state, cached_len=list(state.cached_len), cached_pos=list(state.cached_pos))
-        if self.cfg.variant == "none":
+        if not self.cfg.segmented:
             y, st.mem = self.family.scan(st.mem, q, k, v, gates)
             st.pos += T
             return y, st
-        if self.cfg.variant == "loglinear" and self.loglinear_fast and T >= _LOG_FAST_MIN:
+        if self.loglinear_fast and T >= _LOG_FAST_MIN:
             return self.forward_loglinear_linear(state, q, k, v, u, gates)
         ys, t0 = [], 0
         while t0 < T:
-            if self.cfg.variant == "loglinear":
+            if self.cfg.log_segmented:
                 self._log_advance(st)
                 n = 1
             else:
@@ -295,22 +298,21 @@ class MCMemory:
         q, k, u ``(B, 1, H, K)``; updates ``pl.mem``, ``pl.seg_ksum`` (not seg_len / pushes,
         which the runner owns) and returns y ``(B, 1, H, V)``. Constant segmentation only.
         """
-        variant = self.cfg.variant
-        if variant == "loglinear":
+        cfg = self.cfg
+        if cfg.log_segmented:
             raise NotImplementedError("loglinear decode over a block pool is not supported")
-        if variant == "none":
+        if not cfg.segmented:
             y, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, inplace=pl.inplace)
             return y
-        if self.family.linear and variant in ("grm", "soup", "ssc"):
+        if self.family.linear and cfg.routes:
             from mcserve.kernels import dispatch
 
             if dispatch.get_backend(q) != "torch":  # Triton on CUDA, or MCSERVE_KERNELS=...
-                return dispatch.decode_paged_linear(self, pl, q, k, v, u, gates)
+                return self.decode_paged_kernels(pl, q, k, v, u, gates)
         B, _, H, K = q.shape
         # CPU inference on the gated linear memory: routing scores and the step + readout as two
         # one-pass C++ ops (kernels.cpu; this torch code is their twin), updating pl in place
-        fast = (variant in ("grm", "soup", "ssc") and isinstance(self.family, LinearMemory)
-                and q.is_cpu
+        fast = (cfg.routes and isinstance(self.family, LinearMemory) and q.is_cpu
                 and not torch.is_grad_enabled() and cpu_ops.enabled())
         if fast:
             if not pl.inplace:
@@ -320,8 +322,8 @@ class MCMemory:
             cum = pl.seg_ksum + k[:, 0]  # (B, H, K)
             pl.seg_ksum = cum
         if self.collapsed:
-            scale = (q.new_ones(B) if variant == "residual"
-                     else 1.0 / (pl.n_seg + 1).to(q.dtype))[:, None, None]  # (B, 1, 1)
+            scale = (1.0 / (pl.n_seg + 1).to(q.dtype) if cfg.averages
+                     else q.new_ones(B))[:, None, None]  # (B, 1, 1)
             o, pl.mem = self._scan_rows(pl.mem, q, k, v, gates, inplace=pl.inplace)
             w = scale[..., None].expand(B, 1, 1, H)
             csum = {key: t[:, None] for key, t in pl.csum.items()}
@@ -330,28 +332,27 @@ class MCMemory:
         valid = table >= 0  # (B, N)
         tb = table.clamp_min(0)
         N = table.shape[1]
-        if variant in ("residual", "post"):  # deep memories: explicit sum over the blocks
-            scale = (q.new_ones(B) if variant == "residual"
-                     else 1.0 / (pl.n_seg + 1).to(q.dtype))
+        if cfg.fixed_weights:  # deep memories: explicit sum over the blocks
+            scale = 1.0 / (pl.n_seg + 1).to(q.dtype) if cfg.averages else q.new_ones(B)
             w_on = scale[:, None, None].expand(B, 1, H)
             w_c = (valid.to(q.dtype) * scale[:, None])[:, None, :, None].expand(B, 1, N, H)
             ids = tb[:, :, None].expand(B, N, H)
         else:
             if fast:  # seg_ksum += k in place; scores of the N blocks and the online segment
                 r = cpu_ops.mc_scores_(pl.seg_ksum, k[:, 0], u[:, 0], pl.seg_len, pl.ksum_pool,
-                                       table, self.cfg.segment_len)  # (B, N + 1, H)
+                                       table, cfg.segment_len)  # (B, N + 1, H)
                 r_c, r_on = r[:, None, :N], r[:, None, N]
             else:
                 p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
                 r_on = (u[:, 0] * p_on).sum(-1)[:, None] / math.sqrt(K)  # (B, 1, H)
                 # every cached block is a full segment: fold 1/(C·√K) into u, and score with a
                 # multiply-sum (an einsum would first copy the gathered sums into a GEMM layout)
-                u_s = u[:, 0] / (self.cfg.segment_len * math.sqrt(K))  # (B, H, K)
+                u_s = u[:, 0] / (cfg.segment_len * math.sqrt(K))  # (B, H, K)
                 r_c = (pl.ksum_pool[tb] * u_s[:, None]).sum(-1)[:, None]  # (B, 1, N, H)
                 r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
             k_row = pl.top_k
-            k_max = self.cfg.top_k if k_row is None else int(k_row.max())
-            if variant == "ssc" and (N > k_max or (k_row is not None and bool((k_row < N).any()))):
+            k_max = cfg.top_k if k_row is None else int(k_row.max())
+            if cfg.selects and (N > k_max or (k_row is not None and bool((k_row < N).any()))):
                 idx = self._select(r_c, min(k_max, N))  # (B, 1, k, H)
                 r_c = r_c.gather(2, idx)
                 if k_row is not None:  # rows asking for fewer picks drop the extra ones
@@ -383,6 +384,51 @@ class MCMemory:
             else:
                 y = y + self.family.readout_mix(self._gather_blocks_by_id(pl.pool, ids), q, w_c)
         return y
+
+    def decode_paged_kernels(self, pl: PagedLayer, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
+                             gates: dict[str, Tensor], backend: str | None = None) -> Tensor:
+        """``decode_paged`` for a matrix memory (``linear``/``swla``) with a routing variant,
+        its cached readout done by the kernel ``dispatch.paged_mc_decode_linear`` (Triton on
+        CUDA; ``backend`` forces one, see ``mcserve.kernels.dispatch``).
+
+        Same arguments, result and updates of ``pl`` as ``decode_paged``. Host-tier blocks
+        (``pl.fetch``): a selecting variant routes first and only the picked blocks are fetched
+        (then a softmax over them and the online memory, i.e. an unselected readout over a
+        per-head table); otherwise every block of the table is fetched. Per-request top_k
+        overrides (``pl.top_k`` ``(B,)``) are honoured.
+        """
+        from mcserve.kernels import dispatch
+
+        cfg = self.cfg
+        if not self.family.linear or self.collapsed or not cfg.caches_blocks or not cfg.routes:
+            raise ValueError("decode_paged_kernels handles linear/swla memories with a routing "
+                             "variant over constant segments")
+        C, top_k = cfg.segment_len, cfg.top_k
+        selects = cfg.selects
+        row_top_k = pl.top_k if selects else None
+        if row_top_k is not None:
+            top_k = int(row_top_k.max())  # the kernel's compile-time pick count
+        cum = pl.seg_ksum + k[:, 0]
+        pl.seg_ksum = cum
+        p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]
+        o, pl.mem = self.family.scan(pl.mem, q, k, v, gates)
+        table, state_table = pl.table, None
+        if pl.fetch is not None:
+            if selects and (table.shape[1] > top_k or row_top_k is not None):
+                idx, _ = dispatch.ssc_router(u[:, 0], pl.ksum_pool, table, segment_len=C,
+                                             top_k=top_k, row_top_k=row_top_k, backend=backend)
+                B, H = idx.shape[:2]
+                ids = table[:, None, :].expand(B, H, table.shape[1]).gather(2, idx.clamp_min(0))
+                table = torch.where(idx >= 0, ids, -1)  # (B, H, top_k) block ids
+                selects, row_top_k = False, None  # picked already: read every listed block
+            if table.dim() == 2:  # staging is per head: one list per (row, head)
+                table = table[:, None, :].expand(table.shape[0], q.shape[2], table.shape[1])
+            state_table = torch.where(table >= 0, pl.fetch(table.clamp_min(0), 1), -1)
+        y = dispatch.paged_mc_decode_linear(
+            q[:, 0], u[:, 0], o[:, 0], p_on, table, pl.pool["S"], pl.ksum_pool,
+            variant=cfg.variant if selects else _ROUTE_ALL, segment_len=C, top_k=top_k,
+            state_table=state_table, row_top_k=row_top_k, backend=backend)
+        return y[:, None]
 
     @staticmethod
     def _gather_blocks_by_id(pool: State, ids: Tensor) -> State:
@@ -436,7 +482,7 @@ class MCMemory:
         st.n_segments += 1
         st.seg_ksum = torch.zeros_like(st.seg_ksum)
         st.seg_len = 0
-        if self.cfg.mode == "independent":
+        if self.cfg.independent:
             B, H, K = st.seg_ksum.shape
             st.mem = self.family.init_state(B, H, K, st.v_dim, dtype=st.seg_ksum.dtype,
                                             device=st.seg_ksum.device, init=init)
@@ -588,10 +634,10 @@ class MCMemory:
         B, L, H, K = q.shape
         N = st.num_cached
         cum = st.seg_ksum[:, None] + k.cumsum(1)  # (B, L, H, K) online key sums incl. token t
-        variant = self.cfg.variant
+        cfg = self.cfg
         cached = st.cached
-        if variant in ("residual", "post"):
-            scale = 1.0 if variant == "residual" else 1.0 / (st.n_segments + 1)
+        if cfg.fixed_weights:
+            scale = 1.0 / (st.n_segments + 1) if cfg.averages else 1.0
             w_on = q.new_full((B, L, H), scale)
             w_c = q.new_full((B, L, N, H), scale)
         else:
@@ -607,8 +653,8 @@ class MCMemory:
                     r_c = torch.einsum("blhk,bnhk->blnh", u, p_c) / math.sqrt(K)
             else:
                 r_c = q.new_zeros(B, L, 0, H)
-            top_k = st.top_k or self.cfg.top_k
-            if variant == "ssc" and N > top_k:
+            top_k = st.top_k or cfg.top_k
+            if cfg.selects and N > top_k:
                 idx = self._select(r_c, top_k)  # (B, L, top_k, H)
                 gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
                 w_on = gamma[:, :, -1]

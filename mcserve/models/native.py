@@ -2,7 +2,7 @@
 
 embedding → N × [RMSNorm → MC mixer → RMSNorm → SwiGLU MLP] → RMSNorm → LM head (optionally tied).
 
-Contract (DESIGN.md §2): ``forward(input_ids, state) -> (logits, state)`` for a batch of
+Contract (docs/engine.md): ``forward(input_ids, state) -> (logits, state)`` for a batch of
 sequences at the same position, associative over any split of the tokens, so one call is a
 prefill and one call per token is decode. The state is a ``ModelState``; it is never modified in
 place, which makes prefix reuse and preemption a matter of keeping a reference.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import ModelConfig
+from mcserve.config import MCConfig, ModelConfig
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
@@ -79,7 +79,7 @@ class MCMixer(nn.Module):
         self.H, self.K = H, K
         self.family = make_family(cfg)
         self.memory = MCMemory(self.family, cfg.mc)
-        self.use_u = cfg.mc_variant in ("grm", "soup", "ssc", "loglinear") and not cfg.share_uq
+        self.use_u = cfg.mc.routes and not cfg.share_uq
         self.qkv = nn.Linear(cfg.d_model, 3 * H * K, bias=False)
         self.u_proj = nn.Linear(cfg.d_model, H * K, bias=False) if self.use_u else None
         self.gate_names = self._gate_names()
@@ -281,8 +281,16 @@ class Block(nn.Module):
         x = x + self.mixer.forward_paged(self.norm1(x), pl)
         return x + self.mlp(self.norm2(x))
 
-    #: MC variants the one-call C++ block handles (kernels.cpu.native_block_decode_)
-    _FUSED_VARIANTS = {"none": 0, "grm": 1, "soup": 1, "ssc": 2}
+    @staticmethod
+    def _fused_variant(mc: MCConfig) -> int | None:
+        """The one-call C++ block's code for ``mc`` (kernels.cpu.native_block_decode_): 0 no
+        segments, 1 routing over every cached block, 2 routing over the top_k picks; None for
+        what it does not handle (fixed weights, logarithmic segments)."""
+        if not mc.segmented:
+            return 0
+        if not mc.caches_blocks or not mc.routes:
+            return None
+        return 2 if mc.selects else 1
 
     def _fused_weights(self) -> tuple:
         """The block's weights and shape arguments of ``native_block_decode_`` (cached: looking
@@ -314,7 +322,7 @@ class Block(nn.Module):
         place; host-tier blocks are read from ``pl.host_pool`` in place. ``None`` otherwise (the
         Python path, its twin, which fetches host blocks into staging rows)."""
         mixer = self.mixer
-        variant = self._FUSED_VARIANTS.get(mixer.cfg.mc_variant)
+        variant = self._fused_variant(mixer.memory.cfg)
         if variant is None or type(mixer.family) is not LinearMemory:
             return None
         host = None

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mcserve.config import MODES, VARIANTS
+from mcserve.config import MODES, VARIANTS, MCConfig, default_mode
 from mcserve.models.checkpoint import CheckpointError
 
 __all__ = [
@@ -146,11 +146,9 @@ def resolve_mc(current: dict[str, Any], overrides: dict[str, Any] | None,
     out = {k: current[k] for k in _MC_KEYS}
     out.update(ov)
     if "mc_variant" in ov and "mc_mode" not in ov:
-        if ov["mc_variant"] == "post":
-            out["mc_mode"] = "independent"
-        elif ov["mc_variant"] == "loglinear":
-            out["mc_mode"] = "checkpoint"
-    if "segment_len" not in ov and default_segment_len and current["mc_variant"] == "none":
+        out["mc_mode"] = default_mode(ov["mc_variant"]) or out["mc_mode"]
+    trained_plain = not MCConfig(variant=current["mc_variant"]).segmented
+    if "segment_len" not in ov and default_segment_len and trained_plain:
         out["segment_len"] = default_segment_len
     return out
 
@@ -175,7 +173,7 @@ def apply_mc(model: nn.Module, overrides: dict[str, Any] | None) -> nn.Module:
 
     ncfg = cfg.replace(**new)
     has_u = any("u_proj" in n for n, _ in model.named_parameters())
-    if ncfg.mc_variant in ("grm", "soup", "ssc", "loglinear") and not has_u:
+    if ncfg.mc.routes and not has_u:
         ncfg = ncfg.replace(share_uq=True)
     out = MCForCausalLM(ncfg).to(dtype=model.dtype, device=model.device)
     missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
