@@ -93,7 +93,7 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: 
     """``timeit`` for several functions, samples interleaved round-robin.
 
     On a shared machine the load drifts over seconds; taking sample i of every function in the
-    same round makes their *ratios* much steadier than timing them one after another.
+    same pass makes their *ratios* much steadier than timing them one after another.
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")

@@ -27,7 +27,7 @@ batched decode and transformers ``generate`` on the same weights at ``--clients`
 same run, and prints the HTTP throughput as a ratio of each (``serving_compare.json``).
 
 Results go to ``bench/results/serving.json`` (``--quick``: ``tmp_serving_quick.json``, not
-tracked). ``--quick`` (8 clients, 16 short requests, one round, 1 torch thread unless
+tracked). ``--quick`` (8 clients, 16 short requests, one repeat, 1 torch thread unless
 ``--threads``) finishes in well under a minute.
 """
 
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads for the server and the baseline alike (default: "
                     "torch's default; on a loaded machine 1 avoids OpenMP spin-waits)")
     ap.add_argument("--repeat", type=int, default=3,
-                    help="offline + HTTP rounds; medians are reported (default 3, --quick 1)")
+                    help="offline + HTTP repeats; medians are reported (default 3, --quick 1)")
     ap.add_argument("--out", default=None, help="result file name or path")
     cmp = ap.add_argument_group("--compare")
     cmp.add_argument("--compare", action="store_true",

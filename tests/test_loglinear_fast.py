@@ -3,7 +3,7 @@
 It must equal the per-token loop (``loglinear_fast = False``) and the oracle
 ``reference.mc_linear(variant="loglinear")`` in its outputs, leave exactly the loop's state
 (cached stack, online segment, position) so that later spans and decode continue identically,
-and carry gradients like the loop (bench/mqar.py trains through it).
+and carry gradients like the loop (experiments/recall/mqar.py trains through it).
 """
 
 import random
