@@ -40,8 +40,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from mcserve.config import EngineConfig, ModelConfig  # noqa: E402
 from mcserve.engine.llm_engine import LLMEngine  # noqa: E402
-from mcserve.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from mcserve.engine.tokenizer import Tokenizer  # noqa: E402
+from mcserve.errors import InvalidRequestError  # noqa: E402
 from mcserve.models.native import MCForCausalLM  # noqa: E402
 from mcserve.server.app import build_app  # noqa: E402
 from mcserve.server.async_engine import AsyncEngine  # noqa: E402
@@ -460,8 +461,10 @@ def test_openapi_has_no_422(app_client: TestClient) -> None:
 
 class FakeEngine:
     """The ``LLMEngine`` interface, instant and deterministic: completion token i of a request is
-    ``ord('a') + (len(prompt) + i) % 26``. A prompt containing FAIL fails inside the engine after
-    one token (``RequestOutput.error``); one containing CRASH makes ``step()`` raise."""
+    ``ord('a') + (len(prompt) + i) % 26``, reported (with logprobs asked for) with logprob 0.0
+    and the next letter as the alternative at -1.5. A prompt containing FAIL fails inside the
+    engine after one token (``RequestOutput.error``); one containing CRASH makes ``step()``
+    raise. Like the real engine it allows ``mc_top_k`` alone per request."""
 
     def __init__(self, max_model_len: int = 64, step_delay: float = 0.0):
         self.tokenizer = Tokenizer.byte_level()
@@ -481,14 +484,14 @@ class FakeEngine:
                     prompt_token_ids: list[int] | None = None,
                     mc_overrides: dict | None = None) -> None:
         self.thread_ids.add(threading.get_ident())
-        unknown = sorted(set(mc_overrides or ()) - {"mc_top_k", "segment_len"})
+        unknown = sorted(set(mc_overrides or ()) - {"mc_top_k"})
         if unknown:
-            raise ValueError(f"unknown mc overrides {unknown}")
+            raise InvalidRequestError(f"unknown mc overrides {unknown}", param=unknown[0])
         self.last_mc_overrides = mc_overrides
         ids = prompt_token_ids if prompt_token_ids is not None else \
             self.tokenizer.encode(prompt or "")
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         self.requests[request_id] = {"prompt": prompt, "ids": list(ids), "params": params,
                                      "out": [[] for _ in range(params.n)]}
 
@@ -517,15 +520,24 @@ class FakeEngine:
                 error = "RuntimeError: injected failure"
             done = error is not None or len(r["out"][0]) >= r["params"].max_tokens
             reason = "error" if error else ("length" if done else None)
+            want_lp = r["params"].logprobs is not None
             outs.append(RequestOutput(
                 request_id=rid, prompt=r["prompt"], prompt_token_ids=r["ids"],
                 outputs=[CompletionOutput(index=i, text=bytes(t).decode(), token_ids=list(t),
+                                          logprobs=[self._logprobs(x) for x in t] if want_lp
+                                          else None,
                                           finish_reason=reason)
                          for i, t in enumerate(r["out"])],
                 finished=done, error=error))
             if done:
                 del self.requests[rid]
         return outs
+
+    @staticmethod
+    def _logprobs(token: int) -> dict[int, Logprob]:
+        alt = token + 1
+        return {token: Logprob(0.0, rank=1, decoded_token=chr(token)),
+                alt: Logprob(-1.5, rank=2, decoded_token=chr(alt))}
 
     def stats(self) -> dict[str, int]:
         return {"num_requests_running": len(self.requests), "num_requests_waiting": 0,
@@ -597,15 +609,64 @@ def test_broken_engine_marks_server_unavailable() -> None:
 
 def test_mc_overrides_reach_the_engine(fake: tuple[FakeEngine, TestClient]) -> None:
     engine, client = fake
-    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "mc_top_k": 3,
-                                             "mc_overrides": {"segment_len": 16}})
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "mc_top_k": 3})
     assert r.status_code == 200
-    assert engine.last_mc_overrides == {"mc_top_k": 3, "segment_len": 16}
+    assert engine.last_mc_overrides == {"mc_top_k": 3}
     r = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "mc_top_k": 1})
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "mc_overrides": {"mc_top_k": 1}})
     assert r.status_code == 200 and engine.last_mc_overrides == {"mc_top_k": 1}
     r = client.post("/v1/completions", json={"prompt": "x", "mc_magic": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mc_magic"
+    assert "mc_top_k" in r.json()["error"]["message"]  # says what a request may set
+
+
+@pytest.mark.parametrize("body", [
+    {"segment_len": 16},
+    {"mc_overrides": {"segment_len": 16}},
+    {"mc_top_k": 2, "segment_len": 16},
+], ids=["top-level", "in mc_overrides", "with mc_top_k"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_segment_len_per_request_is_refused(fake: tuple[FakeEngine, TestClient], path: str,
+                                            body: dict[str, Any]) -> None:
+    """Segment boundaries belong to the cached checkpoints: fixed per server, never per request
+    (the engine would refuse it; the API says why before it gets there)."""
+    engine, client = fake
+    prompt = {"prompt": "x"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "x"}]}
+    r = client.post(path, json={**prompt, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "segment_len" and err["type"] == "invalid_request_error"
+    assert "cached checkpoints" in err["message"] and "--segment-len" in err["message"]
+    assert engine.last_mc_overrides is None  # refused before the engine saw it
+
+
+@pytest.mark.parametrize("key", ["mc_variant", "mc_mode"])
+def test_fixed_mc_settings_per_request_are_refused(fake: tuple[FakeEngine, TestClient],
+                                                   key: str) -> None:
+    _, client = fake
+    r = client.post("/v1/completions", json={"prompt": "x", key: "ssc"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == key and "--" + key.replace("_", "-") in err["message"]
+
+
+def test_logprob_objects_from_the_engine(fake: tuple[FakeEngine, TestClient]) -> None:
+    """The engine reports ``Logprob`` objects; a logprob of exactly 0 stays 0."""
+    _, client = fake
+    out = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2,
+                                                "logprobs": 1}).json()
+    lp = out["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["c", "d"] and lp["token_logprobs"] == [0.0, 0.0]
+    assert lp["top_logprobs"] == [{"c": 0.0, "d": -1.5}, {"d": 0.0, "e": -1.5}]
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in content] == [0.0, 0.0]
+    assert [[t["logprob"] for t in e["top_logprobs"]] for e in content] == [[0.0, -1.5]] * 2
+    assert content[0]["top_logprobs"][1]["token"] == chr(ord(content[0]["token"]) + 1)
 
 
 def test_engine_thread_sleeps_when_idle(fake: tuple[FakeEngine, TestClient]) -> None:
@@ -691,7 +752,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     if url is None:
         proc.kill()
         pytest.fail(f"the server did not start: {log.read_text()[-3000:]}")
-    assert "Bearer $MCSERVE_API_KEY" in "".join(lines)  # the key itself is not printed
+    printed = "".join(lines)
+    assert "Authorization: Bearer" in printed and API_KEY not in printed  # never the key
     start_lines = [ln for ln in log.read_text().splitlines() if "listening on" in ln]
     assert len(start_lines) == 1 and url in start_lines[0]
     assert "mc=grm" in start_lines[0] and "device=cpu" in start_lines[0]

@@ -1,1 +1,1 @@
-"""The HTTP server: FastAPI app, protocol, streaming and metrics (DESIGN.md §2)."""
+"""The HTTP server: FastAPI app, protocol, streaming and metrics."""

@@ -213,11 +213,6 @@ class AsyncEngine:
         return self._accepting and self._dead is None
 
     @property
-    def num_waiting(self) -> int:
-        with self._cond:
-            return len(self._waiting)
-
-    @property
     def num_in_flight(self) -> int:
         with self._cond:
             return len(self._streams)

@@ -1,10 +1,11 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
 Requests are validated strictly (no "16" for an integer, no ``true`` for a number, no NaN or
-infinity); a failed validation becomes a 400 in OpenAI's error shape (see ``app.py``). Unknown
+infinity); a failed validation becomes a 400 in OpenAI's error shape (see ``errors.py``). Unknown
 fields are accepted and ignored, as vLLM does, except the Memory Caching overrides: any extra
-field whose name starts with ``mc_`` (e.g. ``mc_top_k``), and the ``mc_overrides`` object, go to
-the engine, which rejects the ones the model does not allow.
+field whose name starts with ``mc_``, the ``mc_overrides`` object, and ``segment_len``. Of
+those only ``mc_top_k`` goes to the engine (which allows it for ssc models); the others are fixed
+per model and server and refused with a 400 (see ``params.py``).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
     mc_overrides: dict[str, McValue] | None = Field(
         None,
-        description="Per-request Memory Caching overrides the model allows (e.g. mc_top_k); "
-        "extra top-level fields named mc_* are merged in.",
+        description="Per-request Memory Caching overrides: only mc_top_k (ssc models); "
+        "segment_len, mc_variant and mc_mode are fixed per server. Extra top-level fields "
+        "named mc_* are merged in.",
     )
 
 

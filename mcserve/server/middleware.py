@@ -1,0 +1,104 @@
+"""ASGI middleware run before any parsing: the API-key check (401) and the request-body size
+limit (413), so that neither an unauthorised client nor an oversized body costs a JSON parse."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mcserve.server.errors import error_response
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# routes behind the API key; /health, /metrics, /version and the docs stay open to probes
+_AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class GuardMiddleware:
+    """API-key check (401) and request-body size limit (413), before any parsing."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        if self.api_key is not None and path.startswith(_AUTH_PREFIXES):
+            if not self._authorised(scope):
+                resp = error_response(401, "missing or invalid API key: send the header "
+                                      "'Authorization: Bearer <key>'", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            too_large = error_response(
+                413, f"the request body is larger than {self.max_body_bytes} bytes",
+                code="request_too_large")
+            for name, value in scope.get("headers", []):
+                if name == b"content-length":
+                    try:
+                        declared = int(value)
+                    except ValueError:
+                        declared = 0
+                    if declared > self.max_body_bytes:
+                        await too_large(scope, receive, send)
+                        return
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # disconnected while sending
+                    return
+                body = message.get("body", b"")
+                size += len(body)
+                if size > self.max_body_bytes:
+                    await too_large(scope, receive, send)
+                    return
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            scope = _json_content_type(scope, body)
+            replay: list[Message] = [{"type": "http.request", "body": body,
+                                      "more_body": False}]
+
+            async def replay_receive() -> Message:
+                if replay:
+                    return replay.pop()
+                return await receive()
+
+            await self.app(scope, replay_receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorised(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                text = value.decode("latin-1").strip()
+                scheme, _, token = text.partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(
+                        token.strip().encode(), self.api_key.encode()):
+                    return True
+            elif name == b"x-api-key":
+                if hmac.compare_digest(value.strip(), self.api_key.encode()):
+                    return True
+        return False
+
+
+def _json_content_type(scope: Scope, body: bytes) -> Scope:
+    """Treat a JSON object sent without ``Content-Type: application/json`` (curl -d sends
+    ``application/x-www-form-urlencoded``) as JSON, as OpenAI-style servers are used that way."""
+    headers = scope.get("headers", [])
+    ctype = next((v for k, v in headers if k == b"content-type"), None)
+    if ctype is not None and not ctype.startswith(b"application/x-www-form-urlencoded"):
+        return scope
+    if not body.lstrip().startswith(b"{"):
+        return scope
+    new = [(k, v) for k, v in headers if k != b"content-type"]
+    new.append((b"content-type", b"application/json"))
+    return {**scope, "headers": new}
