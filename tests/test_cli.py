@@ -206,3 +206,97 @@ def test_import_is_light() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+# --- through the engine, shared errors, help and serve start-up ---------------------------------
+
+
+def test_generate_goes_through_the_engine(monkeypatch, capsys) -> None:
+    from mcserve.engine.llm import LLM
+    from mcserve.models.native import RecurrentLM
+
+    def no_model_loop(*args, **kwargs):
+        raise AssertionError("mcserve generate must not run the model's own loop")
+
+    monkeypatch.setattr(RecurrentLM, "generate", no_model_loop, raising=False)
+    calls = []
+    real = LLM.generate
+
+    def spy(self, prompts, params=None, **kw):
+        calls.append((prompts, params, kw))
+        return real(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    assert main(["generate", "--prompt", "ab", "--max-tokens", "3", "--temperature", "0.5",
+                 "--seed", "1"]) == 0
+    (prompts, params, kw), = calls
+    assert prompts == [list(b"ab")] and kw == {"use_tqdm": False}
+    assert params.max_tokens == 3 and params.temperature == 0.5 and params.seed == 1
+    assert "2 prompt + 3 new tokens" in capsys.readouterr().err
+
+
+def test_cli_modules_share_one_error_type() -> None:
+    import mcserve.cli_args
+    import mcserve.eval.cli
+    import mcserve.server.cli_serve
+
+    assert mcserve.cli.CLIError is mcserve.cli_args.CLIError
+    assert mcserve.eval.cli.CLIError is mcserve.server.cli_serve.CLIError is mcserve.cli.CLIError
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+
+
+@pytest.mark.parametrize("device,phrase", [
+    ("tpu", "is not a device"),
+    ("mps", "cpu or cuda only"),
+    pytest.param("cuda", "use --device cpu", marks=NO_CUDA),
+    pytest.param("cuda:1", "use --device cpu", marks=NO_CUDA),
+])
+@pytest.mark.parametrize("command", ["serve", "eval"])
+def test_bad_device_is_one_line(command: str, device: str, phrase: str, tmp_path: Path,
+                                capsys) -> None:
+    argv = ["serve", "--device", device] if command == "serve" else \
+        ["eval", "ppl", str(tmp_path), "--data", str(tmp_path / "x.txt"), "--device", device]
+    assert main(argv) == 2
+    assert_one_line_error(capsys.readouterr().err, f"--device {device!r}", phrase)
+
+
+def test_serve_engine_flag_errors_name_the_flag(capsys) -> None:
+    assert main(["serve", "--max-num-seqs", "0"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "--max-num-seqs must be a positive integer")
+
+
+def test_serve_missing_http_implementation_is_one_line(capsys) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("httptools") is not None:
+        pytest.skip("httptools is installed here")
+    assert main(["serve", "--http", "httptools"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "pip install httptools")
+
+
+def test_curl_example_never_prints_the_key() -> None:
+    from mcserve.server.cli_serve import curl_example
+
+    flag = curl_example("0.0.0.0", 8000, "m", "flag")
+    assert "http://127.0.0.1:8000/v1/completions" in flag
+    assert "Bearer <your --api-key>" in flag and "$MCSERVE_API_KEY" not in flag
+    assert 'Bearer $MCSERVE_API_KEY"' in curl_example("127.0.0.1", 1, "m", "env")
+    assert "Authorization" not in curl_example("127.0.0.1", 1, "m", None)
+    assert "http://[::1]:1/" in curl_example("::1", 1, "m", None)
+
+
+@pytest.mark.parametrize("argv", [[], ["serve"], ["eval"], ["eval", "ppl"], ["eval", "passkey"],
+                                  ["generate"]])
+def test_help_reads_well(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert "(engine)" not in out and "default: None" not in out
+    if not argv:
+        assert "examples:" in out and "mcserve serve" in out
+    if argv == ["serve"]:
+        assert "--dtype {float32,float64,bfloat16}" in out and "--tokenizer DIR" in out
+        assert "the checkpoint's config.json" in out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -178,6 +179,17 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
+def _as_flag(message: str) -> str:
+    """An ``EngineConfig`` error names the field (``max_num_seqs must be ...``): name the flag."""
+    field, sep, rest = message.partition(" ")
+    if sep and field.isidentifier() and field != field.upper():
+        from mcserve.config import EngineConfig
+
+        if field in {f.name for f in dataclasses.fields(EngineConfig)}:
+            return "--" + field.replace("_", "-") + sep + rest
+    return message
+
+
 def _url_host(host: str) -> str:
     """``host`` as a client reaches it in a URL (a wildcard bind address becomes loopback)."""
     if host in ("0.0.0.0", ""):
@@ -215,10 +227,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CLIError(f"the server's dependency {e.name} is missing; reinstall mcserve "
                        "(pip install -e .)") from None
+    for flag, value, module in (("--http", args.http, "httptools"),
+                                ("--loop", args.loop, "uvloop")):
+        if value == module and importlib.util.find_spec(module) is None:
+            raise CLIError(f"{flag} {value} needs the {module} package (pip install {module}), "
+                           f"or leave {flag} at auto")
     try:
         config = engine_config_from_args(args)
     except (ValueError, TypeError) as e:
-        raise CLIError(first_line(e)) from None
+        raise CLIError(_as_flag(first_line(e))) from None
     check_device(config.device)
     try:
         engine = LLMEngine(config)
@@ -256,6 +273,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     break
             logger.info("mcserve serving %s | %s | listening on http://%s:%d",
                         served, describe, _url_host(args.host), port)
+            if key_from is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+                logger.warning("no API key: anyone who reaches %s:%d can use the model "
+                               "(set $%s or --api-key)", args.host, port, API_KEY_ENV)
+            logger.info("ready; an example request (on stdout):")
             print(curl_example(args.host, port, served, key_from), flush=True)
 
     config_kw: dict[str, Any] = {
