@@ -2,7 +2,7 @@
 
 Oracles: the per-token twins in :mod:`mcserve.kernels.deep` (``*_naive``), closed-form gradient
 updates written out by hand, explicit loops that materialise the per-token weights, and
-:func:`mcserve.kernels.reference.mc_deep` (DESIGN.md §1.4).
+:func:`mcserve.kernels.reference.mc_deep` (docs/deep-memory.md).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _init(dtype: torch.dtype, gen: torch.Generator) -> dict[str, Tensor]:
 def _inputs(
     memory: str, B: int, T: int, dtype: torch.dtype, gen: torch.Generator
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
-    """q, k (unit norm), v ``(B, T, H, K)`` and random gates in the ranges of DESIGN §1.1."""
+    """q, k (unit norm), v ``(B, T, H, K)`` and random gates in their documented ranges."""
 
     def rand(*shape: int) -> Tensor:
         return torch.rand(*shape, generator=gen, dtype=torch.float64)
@@ -364,7 +364,7 @@ def test_scan_soup_explicit(memory: str, inner_chunk: int, N: int, dtype: torch.
 
 
 # --------------------------------------------------------------------------------------
-# Against the reference oracle (DESIGN.md §1.4)
+# Against the reference oracle (docs/deep-memory.md)
 # --------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The embedded default model (issue 6): ships with the package, loads, is deterministic, and
+"""The embedded default model: ships with the package, loads, is deterministic, and
 keeps the model invariants."""
 
 import json

@@ -15,6 +15,18 @@ PROMPT_LENS = [1, 3, 4, 5, 9, 16, 23, 40]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation of ``ids``: a prefill, then one forward per token
+    from the returned state (no engine involved)."""
+    logits, state = model(torch.tensor([ids], device=model.device), last_only=True)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(logits[0, -1].argmax()))
+        logits, state = model(torch.tensor([[out[-1]]], device=model.device), state)
+    return out
+
+
 def make_model(memory="linear", variant="grm", mode="checkpoint", seed=0):
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, head_dim=8,
@@ -74,7 +86,7 @@ def test_batched_prefill_same_as_alone(monkeypatch, memory, variant, mode):
     model = make_model(memory, variant, mode)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(0, 256, (n,), generator=g).tolist() for n in [10] * 4 + [7] * 3]
-    alone = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    alone = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     eng = make_engine(model)
     sizes = []
     real = eng.runner.prefill_batch
@@ -94,7 +106,7 @@ def test_batched_prefill_same_as_alone(monkeypatch, memory, variant, mode):
 def test_greedy_same_alone_batched_preempted_cached(memory, variant, mode):
     model = make_model(memory, variant, mode)
     ps = prompts()
-    alone = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    alone = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     # one engine, all prompts at once (ragged decode batch)
     eng = make_engine(model)
     assert run(eng, ps) == alone
@@ -151,7 +163,7 @@ def test_exception_in_one_request_fails_only_it(monkeypatch):
     model = make_model()
     eng = make_engine(model)
     ps = prompts()
-    want = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    want = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     original = eng._append
 
     def flaky(seq, tok, lp, top):
@@ -328,7 +340,7 @@ def test_pool_exhausted_allocation_returns_none():
 def test_swap_to_host_tier_gives_same_output(memory, variant):
     model = make_model(memory, variant)
     ps = prompts()
-    alone = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    alone = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     eng = make_engine(model, num_state_blocks=14, max_num_batched_tokens=16,
                       host_state_blocks=64, enable_prefix_caching=False)
     assert run(eng, ps) == alone
@@ -346,7 +358,7 @@ def test_ssc_more_segments_than_device_pool(mode):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     full = make_engine(model, num_state_blocks=128)
     want = run(full, ps, params)
-    assert want == [model.generate(p, 12) for p in ps]
+    assert want == [greedy(model, p, 12) for p in ps]
     small = make_engine(model, num_state_blocks=6, host_state_blocks=64,
                         max_num_batched_tokens=16)
     cache, per_fetch = small.cache, []
@@ -376,7 +388,7 @@ def test_sampler_failure_in_one_row_fails_only_that_request():
     model = make_model()
     eng = make_engine(model)
     ps = prompts()[:3]
-    want = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    want = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     bad = SamplingParams(max_tokens=10, temperature=1.0, repetition_penalty=5e-324,
                          ignore_eos=True)
     for i, p in enumerate(ps):
@@ -408,8 +420,8 @@ def test_per_request_ssc_top_k():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     for i, p in enumerate(ps):
-        assert done[f"k3-{i}"] == wide.generate(p, GREEDY.max_tokens)
-        assert done[f"k1-{i}"] == model.generate(p, GREEDY.max_tokens)
+        assert done[f"k3-{i}"] == greedy(wide, p, GREEDY.max_tokens)
+        assert done[f"k1-{i}"] == greedy(model, p, GREEDY.max_tokens)
     with pytest.raises(InvalidRequestError, match="mc_top_k") as err:
         eng.add_request("x", None, GREEDY, prompt_token_ids=[1], mc_overrides={"mc_top_k": 0})
     assert err.value.param == "mc_top_k"
@@ -435,7 +447,7 @@ def test_non_finite_logits_fail_only_that_request(monkeypatch, temperature):
     model = make_model()
     eng = make_engine(model)
     ps = prompts()[:4]
-    want = [model.generate(p, GREEDY.max_tokens) for p in ps]
+    want = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     original = eng.runner.decode
 
     def overflowing(items):

@@ -1,4 +1,4 @@
-"""MCForCausalLM invariants (DESIGN.md §2.2.2): full forward == prefill + token-by-token decode ==
+"""MCForCausalLM invariants: full forward == prefill + token-by-token decode ==
 prefill split at random points, for every memory family × MC variant × mode."""
 
 import random

@@ -1,4 +1,4 @@
-"""Tests for the plain reference oracle ``mcserve.kernels.reference`` (DESIGN.md §1).
+"""Tests for the plain reference oracle ``mcserve.kernels.reference`` (docs/mc.md).
 
 Layout:
 

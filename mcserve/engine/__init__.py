@@ -1,1 +1,2 @@
-"""The serving engine: scheduler, memory-state cache, model runner, ``LLMEngine`` (DESIGN.md §2)."""
+"""The serving engine: scheduler, memory-state cache, model runner, ``LLMEngine``
+(docs/engine.md)."""

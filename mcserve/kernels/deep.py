@@ -1,4 +1,4 @@
-"""Deep memory families ``dla`` and ``titans`` (DESIGN.md §1.1, §3 "Deep-memory prefill").
+"""Deep memory families ``dla`` and ``titans`` (docs/deep-memory.md).
 
 Memory per head: ``M_W(x) = x + W1 gelu(W2 x)`` with ``W1 (V, E)``, ``W2 (E, K)``, ``K == V`` and
 the exact (erf) GELU. Updates for token t, every gradient taken at the weights ``W0`` the current

@@ -1,6 +1,6 @@
 """Plain, readable reference implementation of Memory Caching (the oracle).
 
-This module implements DESIGN.md §1 (memory families, segmentation, MC aggregation) as
+This module implements docs/mc.md (memory families, segmentation, MC aggregation) as
 directly as possible, with explicit Python loops over tokens and segments. It is the
 oracle that every faster path (chunked torch, Triton, decode kernels) is tested against;
 it favours clarity over speed and is meant for short sequences only.
@@ -13,7 +13,7 @@ Public API:
 * :func:`mc_deep` -- Memory Caching on the deep families ``dla`` and ``titans``
   (``M(x) = x + W1 gelu(W2 x)``).
 
-Conventions (DESIGN.md §1): positions are 1-indexed, ``n = t + 1`` for the tensor row
+Conventions (docs/mc.md): positions are 1-indexed, ``n = t + 1`` for the tensor row
 ``t``. Segments are half-open ``(start, end]`` in positions, which is exactly the Python
 slice ``[start:end]`` of 0-indexed rows. The readout of token ``t`` uses the memory state
 *after* token ``t``'s own update. The token completing a segment still reads that segment
@@ -45,7 +45,7 @@ DEEP_MEMORIES: tuple[str, ...] = ("dla", "titans")
 
 
 # --------------------------------------------------------------------------------------
-# Segmentation (DESIGN.md §1.2)
+# Segmentation
 # --------------------------------------------------------------------------------------
 
 
@@ -158,7 +158,7 @@ def _gate_or_ones(name: str, g: Tensor | None, T: int, H: int, like: Tensor) -> 
 
 
 # --------------------------------------------------------------------------------------
-# Aggregation (DESIGN.md §1.3), shared by both families
+# Aggregation, shared by both families
 # --------------------------------------------------------------------------------------
 
 
@@ -242,7 +242,7 @@ def mc_linear(
     starting at zero), readout ``M(q) = S^T q``. For token ``t`` in segment ``s`` the
     memories ``M^(1..s-1)`` are the cached segment memories and ``M^(s)`` the online one
     (state after ``t``); the output is aggregated according to ``variant``
-    (DESIGN.md §1.3):
+    (docs/mc.md):
 
     * ``none``: ``S_t^T q_t`` (no segmentation, ``mode`` ignored);
     * ``residual``: ``sum_i M^(i)(q_t)``; ``post``: ``(1/s) sum_i M^(i)(q_t)``;
@@ -373,7 +373,7 @@ def _deep_states(
         g1, g2 = _deep_grad(memory, w1_0, w2_0, k[t], v[t])
         lr = eta[t][:, None, None]
         if memory == "dla":
-            # gradient ascent on <M_W(k), v> (DESIGN.md §1.1)
+            # gradient ascent on <M_W(k), v>
             w1 = w1 + lr * g1
             w2 = w2 + lr * g2
         else:
@@ -408,7 +408,7 @@ def mc_deep(
 
     Memory per head: ``M_W(x) = x + W1 gelu(W2 x)`` with ``W1 [V, E]``, ``W2 [E, K]``,
     ``K == V``, exact (erf) GELU, starting from ``(w1_init, w2_init)``. Updates for token
-    ``t`` (DESIGN.md §1.1), with every gradient taken at the weights ``W0`` its inner
+    ``t``, with every gradient taken at the weights ``W0`` its inner
     chunk started with (``inner_chunk = 1`` is the exact per-token recurrence):
 
     * ``dla``: ``W_t = W_{t-1} + eta_t grad_W <M_W(k_t), v_t>`` (``a``, ``m`` ignored);

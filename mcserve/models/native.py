@@ -399,35 +399,6 @@ class RecurrentLM(nn.Module):
             x = blk.forward_paged(x, pl)
         return self._head(x)
 
-    @torch.no_grad()
-    def generate(self, input_ids: Tensor | list[int], max_new_tokens: int,
-                 temperature: float = 0.0, seed: int | None = None,
-                 eos_token_id: int | None = None) -> list[int]:
-        """Single-sequence generation (greedy when temperature is 0); returns the new ids."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        if ids.shape[1] == 0:
-            raise ValueError("input_ids must hold at least one token")
-        gen = torch.Generator(device="cpu")
-        if seed is not None:
-            gen.manual_seed(seed)
-        logits, state = self(ids, last_only=True)
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            last = logits[0, -1].float()
-            if temperature > 0:
-                probs = torch.softmax(last / temperature, -1).cpu()
-                nxt = int(torch.multinomial(probs, 1, generator=gen))
-            else:
-                nxt = int(last.argmax())
-            out.append(nxt)
-            if eos_token_id is not None and nxt == eos_token_id:
-                break
-            logits, state = self(torch.tensor([[nxt]], device=self.device), state)
-        return out
-
-
 
 class MCForCausalLM(RecurrentLM):
     def __init__(self, config: ModelConfig):

@@ -11,15 +11,27 @@ Signatures and semantics are those of the torch twins in ``twins.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from mcserve.config import MCConfig
 from mcserve.kernels.triton._jit import jitted
 from mcserve.kernels.triton.twins import _check_router, check_decode_args
 
-_VARIANT_CODE = {"residual": 0, "post": 1, "grm": 2, "soup": 2, "ssc": 3}
+
+@functools.cache  # per decode step and layer: look the capabilities up once
+def _variant_code(variant: str) -> int:
+    """The kernel's VARIANT constant: 0 weights 1, 1 weights 1/(n+1), 2 softmax gate over every
+    block, 3 softmax gate over the top_k picks."""
+    mc = MCConfig(variant=variant)
+    if mc.fixed_weights:
+        return 1 if mc.averages else 0
+    return 3 if mc.selects else 2
+
 
 
 def _paged_decode_kernel(
@@ -160,7 +172,7 @@ def paged_mc_decode_linear(
     BK = _pow2(K, 16)
     BV = block_v or min(_pow2(V, 16), 64)
     BN = _pow2(N)
-    code = _VARIANT_CODE[variant]
+    code = _variant_code(variant)
     nseg = n_seg if n_seg is not None else tab  # dummy pointers when absent
     krow = row_top_k if row_top_k is not None else tab
     grid = (B, H, triton.cdiv(V, BV))
@@ -174,7 +186,7 @@ def paged_mc_decode_linear(
         pool_S.stride(0), pool_S.stride(1), pool_S.stride(2), ksum_pool.stride(0),
         ksum_pool.stride(1), out.stride(0), out.stride(1), 0, 0,
         VARIANT=code, TOP_K=top_k, HAS_NSEG=n_seg is not None,
-        HAS_KROW=row_top_k is not None and variant == "ssc", ROUTE_ONLY=False,
+        HAS_KROW=row_top_k is not None and code == 3, ROUTE_ONLY=False,
         BN=BN, BK=BK, BV=BV, F64=q.dtype == torch.float64,
     )
     return out

@@ -1,7 +1,7 @@
 """Torch twins (and plain reference loops) of the Triton kernels in this package.
 
 Every Triton kernel here has a torch *twin* with the same signature and result: the vectorised
-path used on CPU, and the thing the kernel is tested against (DESIGN.md §2). A third, plainly
+path used on CPU, and the thing the kernel is tested against (docs/kernels.md). A third, plainly
 written *reference* version (Python loops over rows, heads and tokens) backs
 ``MCSERVE_KERNELS=reference`` and is the oracle of the twins themselves. Nothing in this module
 imports triton.
@@ -26,9 +26,11 @@ import math
 import torch
 from torch import Tensor
 
+from mcserve.config import VARIANTS, MCConfig
 from mcserve.kernels.gla import chunk_gla, naive_gla
 
-DECODE_VARIANTS = ("residual", "post", "grm", "soup", "ssc")
+# the variants whose checkpoints are constant blocks: what a block-table readout can serve
+DECODE_VARIANTS = tuple(v for v in VARIANTS if MCConfig(variant=v).caches_blocks)
 PREFILL_MODES = ("checkpoint", "independent")
 
 __all__ = [
@@ -251,19 +253,20 @@ def paged_mc_decode_linear_torch(
     N = tab.shape[-1]
     dt = q.dtype
     valid = tab >= 0
-    if variant in ("residual", "post"):
-        if variant == "residual":
-            w_on = q.new_ones(B, H)
-        else:
+    mc = MCConfig(variant=variant)  # its capabilities pick the weights
+    if mc.fixed_weights:
+        if mc.averages:
             n = (valid.sum(-1) if n_seg is None else n_seg[:, None].expand(B, H)).to(dt)
             w_on = 1.0 / (n + 1.0)
+        else:
+            w_on = q.new_ones(B, H)
         w_c = valid.to(dt) * w_on[..., None]
         ids = stab
     else:
         r_on = (u * p_online.to(dt)).sum(-1) / math.sqrt(K)  # (B, H)
         r_c = _cached_scores(u, ksum_pool, tab, segment_len)  # (B, H, N)
         ids = stab
-        if variant == "ssc" and (N > top_k or row_top_k is not None):  # only the selected
+        if mc.selects and (N > top_k or row_top_k is not None):  # only the selected
             idx = _select(r_c, min(top_k, N))
             r_c, ids, valid = r_c.gather(-1, idx), stab.gather(-1, idx), valid.gather(-1, idx)
             if row_top_k is not None:  # rows asking for fewer picks drop the extra ones
@@ -292,14 +295,15 @@ def paged_mc_decode_linear_reference(
                                   segment_len, top_k, n_seg, state_table, row_top_k)
     B, H, K = q.shape
     dt = q.dtype
+    mc = MCConfig(variant=variant)
     y = o_online.new_zeros(o_online.shape, dtype=dt)
     for bi in range(B):
         for h in range(H):
             cols = [n for n in range(tab.shape[-1]) if int(tab[bi, h, n]) >= 0]
             reads = [pool_S[int(stab[bi, h, n]), h].to(dt).T @ q[bi, h] for n in cols]
-            if variant == "residual":
+            if mc.fixed_weights and not mc.averages:
                 w = [1.0] * (len(cols) + 1)
-            elif variant == "post":
+            elif mc.fixed_weights:
                 cnt = len(cols) if n_seg is None else int(n_seg[bi])
                 w = [1.0 / (cnt + 1)] * (len(cols) + 1)
             else:
@@ -307,7 +311,7 @@ def paged_mc_decode_linear_reference(
                           / segment_len / math.sqrt(K) for n in cols]
                 r_on = float(u[bi, h].double() @ p_online[bi, h].double()) / math.sqrt(K)
                 keep = list(range(len(cols)))
-                if variant == "ssc":
+                if mc.selects:
                     kk = top_k if row_top_k is None else min(top_k, int(row_top_k[bi]))
                     keep = sorted(keep, key=lambda j: (scores[j], j), reverse=True)[:kk]
                 r = torch.tensor([scores[j] for j in keep] + [r_on], dtype=torch.float64)

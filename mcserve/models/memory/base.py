@@ -1,4 +1,4 @@
-"""The contract every memory family (the update rule f of DESIGN.md §1.1) implements.
+"""The contract every memory family (the update rule f of docs/mc.md) implements.
 
 A family is a stateless object: parameters it needs (W^init for the deep memories) are passed in
 by the mixer that owns them. States are plain ``dict[str, Tensor]`` whose tensors all lead with

@@ -1,4 +1,4 @@
-"""The deep memory families ``dla`` and ``titans`` (DESIGN.md §1.1) as :class:`MemoryFamily`.
+"""The deep memory families ``dla`` and ``titans`` (docs/deep-memory.md) as :class:`MemoryFamily`.
 
 Memory per head: ``M_W(x) = x + W1 gelu(W2 x)``, ``W1 (V, E)``, ``W2 (E, K)``, ``K == V``, exact
 GELU, starting from the learned ``W^init`` the mixer passes to :meth:`init_state`. Updates take
