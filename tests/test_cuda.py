@@ -58,16 +58,18 @@ def test_engine_on_cuda_none_matches_cpu():
                  dict(num_state_blocks=24, host_state_blocks=256), id="linear-ssc-host-tier"),
 ])
 def test_engine_on_cuda_matches_cpu(monkeypatch, memory, variant, mode, pool):
+    from mcserve.models.mc import MCMemory
+
     calls = []
-    real = dispatch.decode_paged_linear
+    real = MCMemory.decode_paged_kernels
 
-    def spy(*a, **kw):
-        calls.append(dispatch.get_backend(a[2]))
-        return real(*a, **kw)
+    def spy(mc, pl, q, *a, **kw):
+        calls.append(dispatch.get_backend(q))
+        return real(mc, pl, q, *a, **kw)
 
+    monkeypatch.setattr(MCMemory, "decode_paged_kernels", spy)
     want, _ = _run(_model(memory, variant, mode, "cpu"), "cpu")
     assert not calls  # CPU tensors keep the torch path
-    monkeypatch.setattr(dispatch, "decode_paged_linear", spy)
     got, _ = _run(_model(memory, variant, mode, "cuda"), "cuda", **pool)
     assert calls and set(calls) == {"triton"}, "the engine did not reach the Triton kernels"
     assert got == want

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from mcserve.config import MEMORIES, VARIANTS, ModelConfig
+from mcserve.config import MEMORIES, VARIANTS, MCConfig, ModelConfig, default_mode
 from mcserve.models.native import MCForCausalLM
 
 COMBOS = [
@@ -169,3 +169,33 @@ def test_titans_inner_loop_stays_bounded_at_any_gate(momentum_bias):
     for layer_state in state.layers:
         w1 = layer_state.mc.mem["W1"]
         assert float(w1.abs().max()) < 4 * w1_init, "titans memory grew without bound"
+
+
+# the one table of what each variant does; code elsewhere asks these properties
+CAPABILITIES = {
+    #            segmented log    blocks routes selects mixes  fixed  averages
+    "none":      (False, False, False, False, False, False, False, False),
+    "residual":  (True,  False, True,  False, False, False, True,  False),
+    "post":      (True,  False, True,  False, False, False, True,  True),
+    "grm":       (True,  False, True,  True,  False, False, False, False),
+    "soup":      (True,  False, True,  True,  False, True,  False, False),
+    "ssc":       (True,  False, True,  True,  True,  False, False, False),
+    "loglinear": (True,  True,  False, True,  False, False, False, False),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mc_capabilities(variant):
+    mc = MCConfig(variant=variant)
+    got = (mc.segmented, mc.log_segmented, mc.caches_blocks, mc.routes, mc.selects,
+           mc.mixes_parameters, mc.fixed_weights, mc.averages)
+    assert got == CAPABILITIES[variant]
+    assert mc.collapses(True) == mc.fixed_weights and not mc.collapses(False)
+    assert not mc.independent
+    if not mc.log_segmented:  # loglinear exists in checkpoint mode only
+        assert MCConfig(variant=variant, mode="independent").independent
+    # a model routes over segments only through u: a learned u_proj unless share_uq
+    model = MCForCausalLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=1,
+                                      head_dim=8, mc_variant=variant, segment_len=4))
+    assert (model.layers[0].mixer.u_proj is not None) == mc.routes
+    assert default_mode(variant) in (None, "checkpoint", "independent")
