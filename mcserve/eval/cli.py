@@ -30,9 +30,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mc", default="post", metavar="SETTINGS",
                    help="comma-separated post-hoc MC settings VARIANT[:SEGMENT_LEN[:MODE"
                    "[:TOP_K]]] (variants: post, grm, ssc, loglinear, residual, none) and "
-                   "reset[:SEGMENT_LEN]; SEGMENT_LEN defaults to the model's training length "
-                   "(else 2048), MODE to independent for post and checkpoint otherwise; the model "
-                   "as is is always evaluated; '' for none (default: %(default)s)")
+                   "reset[:SEGMENT_LEN]; SEGMENT_LEN defaults to the model's own segment length "
+                   "when it uses MC, else its training length (max_position_embeddings), MODE "
+                   "to independent for post and checkpoint otherwise; the model as is is always "
+                   "evaluated; '' for no MC setting (default: %(default)s)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="directory with tokenizer.json (default: MODEL's own tokenizer.json, "
                    "else UTF-8 bytes as token ids)")
