@@ -20,7 +20,13 @@ from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, pro
 from mcserve.engine.scheduler import Scheduler
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
-from mcserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from mcserve.engine.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    find_stop,
+    load_tokenizer,
+    stop_holdback,
+)
 from mcserve.errors import InvalidRequestError
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.packed_linear import pack_linears
@@ -59,9 +65,7 @@ class LLMEngine:
             model = load_model(path, dtype=config.dtype, device=config.device,
                                mc_overrides=config.mc_overrides())
             if tokenizer is None:
-                tok_dir = Path(config.tokenizer) if config.tokenizer else path
-                tokenizer = (Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file()
-                             else Tokenizer.byte_level())
+                tokenizer = load_tokenizer(path, config.tokenizer)
             model_name = model_name or (path.name if config.model else "mcserve-default")
         model.eval()
         if config.cpu_packed_weights and model.device.type == "cpu":
