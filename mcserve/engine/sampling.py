@@ -372,8 +372,11 @@ def _apply_top_k_top_p(
     if any(top_p[i] < 1.0 for i in rows):
         p = _row_tensor([top_p[i] for i in rows], device, vals.dtype)[:, None]
         probs = torch.softmax(vals, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0: the top token stays
-        vals = vals.masked_fill((mass_before >= p) & (p < 1.0), -math.inf)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # the top token always stays, also when top_p underflows to 0 in float32 (1e-300):
+        # masking every token would leave nothing to draw from
+        not_top = torch.arange(vals.shape[1], device=device)[None, :] > 0
+        vals = vals.masked_fill((mass_before >= p) & (p < 1.0) & not_top, -math.inf)
     out = torch.full_like(sub, -math.inf).scatter_(-1, idx, vals)
     if len(rows) == r:
         return out
