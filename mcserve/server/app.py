@@ -10,6 +10,11 @@ wrong API key, 404 unknown model or route, 405 wrong method, 413 body too large,
 full (``Retry-After``), 503 shutting down (``Retry-After``), 500 only for a failure inside the
 engine, which fails that request alone.
 
+Shutdown (``drain``, which ``mcserve serve`` runs on SIGTERM before uvicorn closes anything):
+``/health`` and new requests answer 503 at once, requests in flight get the grace period to
+finish, the rest are aborted through the engine and answered (a 503, or a final SSE error event
+and ``[DONE]``), and only then may the HTTP server close its connections.
+
 The routes live by concern: ``serving_completion`` and ``serving_chat`` (the two generation
 endpoints), ``streaming`` (SSE and what both share), ``params`` (request -> SamplingParams and MC
 overrides), ``state``, ``errors``, ``middleware`` (auth, body size) and ``metrics``.
@@ -17,8 +22,11 @@ overrides), ``state``, ``errors``, ``middleware`` (auth, body size) and ``metric
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -43,6 +51,8 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING_REQUESTS", "build_app"
 logger = logging.getLogger("mcserve.server")
 
 DEFAULT_MAX_WAITING_REQUESTS = 512
+# after the grace period, how long the handlers of aborted requests get to write their answer
+DRAIN_SETTLE_S = 5.0
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": P.ErrorResponse, "description": "Invalid request"},
@@ -80,6 +90,7 @@ def build_app(
     tok = llm.tokenizer
     mcfg = getattr(llm, "model_config", None)
     vocab = int(getattr(mcfg, "vocab_size", 0) or getattr(tok, "vocab_size", 0) or 2**31)
+    mc = getattr(llm, "mc", None)
     st = ServerState(
         aengine=aengine,
         served_model_name=served_model_name or llm.model_name,
@@ -88,8 +99,36 @@ def build_app(
         tokenizer=tok,
         metrics=metrics,
         shutdown_grace_s=shutdown_grace_s,
+        mc_variant=getattr(mc, "variant", None),
+        mc_selects=getattr(mc, "selects", None),
     )
+    st.encoder  # noqa: B018 - builds the tokenizer's length bound now, not on a request
     metrics.registry.register(EngineStatsCollector(aengine))
+
+    async def drain(grace_s: float | None = None, settle_s: float = DRAIN_SETTLE_S) -> int:
+        """Shut the API down gracefully; returns the number of requests aborted.
+
+        At once: ``/health`` and new requests answer 503 (``Retry-After``). Requests in flight
+        get ``grace_s`` (default: ``shutdown_grace_s``) seconds to finish; the rest are aborted
+        through the engine, their handlers answer them (503, or an SSE error event and
+        ``[DONE]``), and ``drain`` waits up to ``settle_s`` seconds for every HTTP response to
+        be sent. The engine thread keeps running (the lifespan's end stops it).
+        """
+        grace = st.shutdown_grace_s if grace_s is None else grace_s
+        aengine.stop_accepting()
+        n = aengine.num_in_flight
+        if n:
+            logger.info("shutting down: %d request(s) in flight get up to %.1f s to finish",
+                        n, grace)
+        await aengine.wait_idle(grace)
+        aborted = aengine.abort_all("the server is shutting down; the request was aborted")
+        if aborted:
+            logger.info("shutting down: aborted %d request(s) still running after %.1f s",
+                        aborted, grace)
+        deadline = time.monotonic() + settle_s
+        while st.http_in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return aborted
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,7 +143,9 @@ def build_app(
                   "Caching).")
     app.state.server = st
     app.state.async_engine = aengine
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.drain = drain
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       state=st)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -134,19 +175,24 @@ def build_app(
 
     @app.post("/v1/completions", response_model=P.CompletionResponse,
               responses=_ERROR_RESPONSES)
+    @_answered
     async def completions(body: P.CompletionRequest, raw: Request) -> Response:
         """Text completions (streamed as Server-Sent Events with ``stream: true``)."""
         return await create_completion(st, body, raw)
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
               responses=_ERROR_RESPONSES)
+    @_answered
     async def chat_completions(body: P.ChatCompletionRequest, raw: Request) -> Response:
         """Chat completions through the tokenizer's chat template."""
         return await create_chat_completion(st, body, raw)
 
+    trained = getattr(mcfg, "max_position_embeddings", None)
+
     def model_card() -> P.ModelCard:
         return P.ModelCard(id=st.served_model_name, created=st.created, root=llm.model_name,
-                           max_model_len=st.max_model_len)
+                           max_model_len=st.max_model_len,
+                           max_position_embeddings=int(trained) if trained else None)
 
     @app.get("/v1/models", response_model=P.ModelList, responses=_ERROR_RESPONSES)
     async def models() -> P.ModelList:
@@ -172,6 +218,7 @@ def build_app(
         return P.VersionResponse(version=__version__)
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERROR_RESPONSES)
+    @_answered
     async def tokenize(body: P.TokenizeRequest) -> P.TokenizeResponse:
         """Token ids of ``prompt``, or of ``messages`` rendered by the chat template."""
         st.check_model(body.model)
@@ -180,15 +227,18 @@ def build_app(
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages")
-            text = chat_prompt(st, body.messages, body.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            text = await chat_prompt(st, body.messages, body.add_generation_prompt)
+            ids = await st.encoder.encode(text, add_special_tokens=False, param="messages",
+                                          limit=False)
         else:
             assert body.prompt is not None
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return P.TokenizeResponse(count=len(ids), max_model_len=st.max_model_len,
-                                  tokens=list(ids))
+            ids = await st.encoder.encode(body.prompt,
+                                          add_special_tokens=body.add_special_tokens,
+                                          param="prompt", limit=False)
+        return P.TokenizeResponse(count=len(ids), max_model_len=st.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERROR_RESPONSES)
+    @_answered
     async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:
         st.check_model(body.model)
         st.check_token_ids(body.tokens, "tokens")
@@ -200,6 +250,28 @@ def build_app(
 
     _strip_422(app)
     return app
+
+
+def _answered(route: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``route`` with an unexpected exception answered as a 500 in OpenAI's shape, logged once.
+
+    Left to Starlette's catch-all, the exception would be re-raised to the HTTP server after
+    the response (a second traceback, and the keep-alive connection dropped without
+    ``Connection: close``, which fails the client's next pooled request).
+    """
+
+    @functools.wraps(route)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await route(*args, **kwargs)
+        except (APIError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug: answer it, keep the connection
+            logger.exception("unhandled error in %s", route.__name__)
+            return error_response(500, f"internal error: {type(e).__name__}",
+                                  code="internal_error")
+
+    return wrapper
 
 
 def _strip_422(app: FastAPI) -> None:

@@ -335,6 +335,32 @@ class AsyncEngine:
             await asyncio.sleep(0.02)
         return True
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests (``EngineShutdownError``); those in flight go on."""
+        self._accepting = False
+
+    def abort_all(self, message: str = "the server is shutting down") -> int:
+        """Abort every request in flight (safe from any thread); returns how many.
+
+        Unlike ``abort`` (the consumer went away), each stream's consumer is still there and is
+        told why: its next read raises ``EngineShutdownError(message)``, so that a handler can
+        answer it (a 503, or a final SSE error event) instead of seeing its stream end mute.
+        """
+        with self._cond:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._waiting.clear()
+            for stream in streams:
+                self._commands.append(_Cmd("abort", stream.request_id))
+            self._cond.notify()
+        err = EngineShutdownError(message)
+        for stream in streams:
+            if self.metrics is not None:
+                self.metrics.count_finished("abort")
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                stream.loop.call_soon_threadsafe(stream._put, err)
+        return len(streams)
+
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``grace_s`` seconds, abort
         the rest and stop the engine thread."""
@@ -344,18 +370,10 @@ class AsyncEngine:
         await asyncio.to_thread(self.close)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and join the engine thread (blocking)."""
+        """Abort everything in flight (their consumers get ``EngineShutdownError``) and join the
+        engine thread (blocking)."""
         self._accepting = False
-        with self._cond:
-            ids = list(self._streams)
-        for rid in ids:
-            stream = self._streams.get(rid)
-            self.abort(rid)
-            if stream is not None:
-                with contextlib.suppress(RuntimeError):  # loop already closed
-                    stream.loop.call_soon_threadsafe(
-                        stream._put, EngineShutdownError("the server shut down")
-                    )
+        self.abort_all("the server shut down")
         with self._cond:
             self._stopping = True
             self._cond.notify()

@@ -10,13 +10,17 @@ Wiring into the ``mcserve`` command (``mcserve/cli.py``)::
 ``python -m mcserve.server.cli_serve [MODEL] [flags]``.
 
 At start it logs one line (engine description and address) and prints a ready-to-paste curl
-line on stdout. SIGTERM / Ctrl-C shut it down gracefully (running requests get
-``--shutdown-timeout`` seconds, then are aborted) and the process exits 0.
+line on stdout. SIGTERM / Ctrl-C shut it down gracefully and the process exits 0: the app drains
+first (``/health`` and new requests answer 503, running requests get ``--shutdown-timeout``
+seconds, the rest are aborted and answered: a 503, or an SSE error event and ``[DONE]``), and
+only then does uvicorn close the connections. A second signal ends the grace period at once
+(running requests are aborted and still answered); a third stops without waiting.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import importlib.util
 import json
@@ -223,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from mcserve.engine.llm_engine import LLMEngine
-        from mcserve.server.app import build_app
+        from mcserve.server.app import DRAIN_SETTLE_S, build_app
     except ImportError as e:
         raise CLIError(f"the server's dependency {e.name} is missing; reinstall mcserve "
                        "(pip install -e .)") from None
@@ -252,15 +256,52 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_waiting_requests=args.max_waiting_requests,
                     shutdown_grace_s=args.shutdown_timeout)
     describe = engine.describe()
+    trained = getattr(getattr(engine, "model_config", None), "max_position_embeddings", None)
+    if trained and config.max_model_len > trained:
+        logger.warning("max_model_len=%d is longer than the %d tokens the model was trained at: "
+                       "prompts and generations beyond %d tokens may degrade (set "
+                       "--max-model-len to bound them)", config.max_model_len, trained, trained)
 
     class _Server(uvicorn.Server):
+        drain_requested = False
+        hurry_requested = False
+        hurried = False
+        drain_task: asyncio.Task[None] | None = None
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            super().handle_exit(sig, frame)
+            # a signal handler only sets flags: the next tick of main_loop (0.1 s) acts on them
+            # from the event loop
+            if not self.started or self.should_exit:
+                super().handle_exit(sig, frame)
+            elif not self.drain_requested:
+                # drain while the listening socket stays open: /health answers 503 meanwhile
+                self.drain_requested = True
+            elif not self.hurry_requested:
+                self.hurry_requested = True
+            else:
+                super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after its graceful shutdown, so the process would
             # die of SIGTERM; a graceful shutdown here exits 0 instead
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_requested and self.drain_task is None:
+                self.drain_task = asyncio.ensure_future(self._drain())
+            if self.hurry_requested and not self.hurried:
+                self.hurried = True
+                app.state.async_engine.abort_all("the server is shutting down; the request "
+                                                 "was aborted")
+            return await super().on_tick(counter)
+
+        async def _drain(self) -> None:
+            try:
+                await app.state.drain()
+            except Exception:  # noqa: BLE001 - a failed drain must still let the server stop
+                logger.exception("draining failed")
+            finally:
+                self.should_exit = True
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
@@ -283,7 +324,10 @@ def run_serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "log_level": args.log_level,
         "access_log": bool(args.access_log), "lifespan": "on",
         "http": args.http, "loop": args.loop,
-        "timeout_graceful_shutdown": args.shutdown_timeout,
+        # by the time uvicorn shuts down, the drain has answered every request; this bound is
+        # for a second signal, which skips the drain: the engine's grace, then a margin for the
+        # handlers of the aborted requests to write their answer
+        "timeout_graceful_shutdown": args.shutdown_timeout + DRAIN_SETTLE_S,
     }
     server = _Server(uvicorn.Config(app, **config_kw))
     try:

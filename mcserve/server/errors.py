@@ -92,6 +92,18 @@ _EXPECTED = {
 }
 
 
+def _component(path: str, name: str) -> int:
+    """Where field ``name`` is a whole component of ``path`` (in ``stop[0]``: yes; in
+    ``stop_token_ids``: no), the last such place; -1 if nowhere."""
+    i = path.rfind(name)
+    while i >= 0:
+        end = i + len(name)
+        if (i == 0 or path[i - 1] == ".") and (end == len(path) or path[end] in ".["):
+            return i
+        i = path.rfind(name, 0, i)
+    return -1
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A short message and the offending parameter for pydantic errors, without internals."""
     if not errors:
@@ -121,7 +133,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     collapsed: dict[str, list[str]] = {}
     for path, msgs in by_path.items():
         top = params.get(path)
-        hits = [(path.rfind(name), name) for name in _EXPECTED if name in path]
+        hits = [(i, name) for name in _EXPECTED if (i := _component(path, name)) >= 0]
         if hits:
             i, name = max(hits)
             key = path[:i + len(name)]

@@ -43,6 +43,19 @@ class EngineStatsCollector(Collector):
             total_g.add_metric([tier], total)
         yield used_g
         yield total_g
+        yield GaugeMetricFamily("mcserve:state_slots_used",
+                                "Recurrent-state slots held by sequences (one per sequence "
+                                "being computed).", value=num("state_slots_used"))
+        yield GaugeMetricFamily("mcserve:state_slots_total",
+                                "Recurrent-state slots in the pool.",
+                                value=num("state_slots_total"))
+        yield GaugeMetricFamily("mcserve:state_blocks_cached",
+                                "Memory-state blocks free for reuse but kept for the prefix "
+                                "cache.", value=num("state_blocks_cached"))
+        yield GaugeMetricFamily("mcserve:num_requests_in_flight",
+                                "Requests the server submitted to the engine and not yet "
+                                "finished, aborted or failed.",
+                                value=float(self.aengine.num_in_flight))
         dev_used, dev_total = tiers.get("device", (0.0, 0.0))
         yield GaugeMetricFamily("mcserve:state_cache_usage_perc",
                                 "Fraction of the device state-block pool in use (0..1).",

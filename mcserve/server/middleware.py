@@ -1,9 +1,12 @@
 """ASGI middleware run before any parsing: the API-key check (401) and the request-body size
-limit (413), so that neither an unauthorised client nor an oversized body costs a JSON parse."""
+limit (413), so that neither an unauthorised client nor an oversized body costs a JSON parse.
+It also counts the HTTP requests whose response is not fully sent (a shutdown waits for them)
+and, once the server drains, asks clients to close their connection after each response."""
 
 from __future__ import annotations
 
 import hmac
+from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,18 +17,50 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
+class InFlight(Protocol):
+    """What the middleware updates: ``ServerState``."""
+
+    http_in_flight: int
+
+    @property
+    def draining(self) -> bool: ...
+
+
 class GuardMiddleware:
     """API-key check (401) and request-body size limit (413), before any parsing."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
+                 state: InFlight | None = None):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        st = self.state
+        if st is None:
+            await self._guard(scope, receive, send)
+            return
+        st.http_in_flight += 1
+
+        async def send_closing(message: Message) -> None:
+            # while draining, no connection is kept alive for a next request: the client
+            # opens a new one, which finds the server gone or answering 503
+            if message["type"] == "http.response.start" and st.draining:
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self._guard(scope, receive, send_closing)
+        finally:
+            st.http_in_flight -= 1
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
         if self.api_key is not None and path.startswith(_AUTH_PREFIXES):
             if not self._authorised(scope):

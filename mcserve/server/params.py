@@ -11,6 +11,7 @@ from mcserve.engine.sampling import SamplingParams
 from mcserve.errors import InvalidRequestError
 from mcserve.server import protocol as P
 from mcserve.server.errors import APIError
+from mcserve.server.prompts import check_utf8
 from mcserve.server.state import ServerState
 
 
@@ -29,6 +30,8 @@ def sampling_params(
                        f"(max_model_len={st.max_model_len})", param="max_tokens")
     if body.stop_token_ids:
         st.check_token_ids(body.stop_token_ids, "stop_token_ids")
+    for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
+        check_utf8(stop, "stop", what=f"stop[{i}]")
     kw: dict[str, Any] = {
         "n": body.n, "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -80,7 +83,7 @@ def _refuse_mc(key: str) -> APIError:
                     f"{', '.join(PER_REQUEST_MC)} (for mc_variant='ssc' models)", param=key)
 
 
-def mc_overrides(body: P.OpenAIModel) -> dict[str, Any] | None:
+def mc_overrides(st: ServerState, body: P.OpenAIModel) -> dict[str, Any] | None:
     """The per-request MC overrides of ``body`` (``mc_overrides`` and extra ``mc_*`` fields)."""
     mc = body.mc_fields()
     # segment_len has no mc_ prefix: a client may well send it as a top-level field
@@ -92,4 +95,9 @@ def mc_overrides(body: P.OpenAIModel) -> dict[str, Any] | None:
         if not isinstance(value, (int, float, str, bool)) or (
                 isinstance(value, float) and not math.isfinite(value)):
             raise APIError(400, f"{key} must be a number, a string or a boolean", param=key)
+    if "mc_top_k" in mc and st.mc_selects is False:
+        raise APIError(400, "mc_top_k applies only to models whose Memory Caching variant "
+                       "selects cached segments (mc_variant='ssc'); this model's variant is "
+                       f"{st.mc_variant!r}, which reads every cached segment: drop mc_top_k",
+                       param="mc_top_k")
     return mc or None

@@ -19,6 +19,7 @@ MAX_N = 128  # completions per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling.MAX_LOGPROBS)
 MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 256  # prompts in one completions request
+DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when absent or null (OpenAI's default)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -92,7 +93,8 @@ class CompletionRequest(SamplingFields):
     prompt: PromptType = Field(
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    max_tokens: StrictInt | None = Field(16, ge=0, description="0 only with echo.")
+    max_tokens: StrictInt | None = Field(DEFAULT_MAX_TOKENS, ge=0,
+                                         description="0 only with echo; null: 16.")
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
@@ -271,7 +273,10 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "mcserve"
     root: str | None = None
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # the server's context limit per sequence
+    # the context length the model was trained at; longer contexts are served, with a
+    # start-up warning, since a recurrent model may or may not generalise beyond it
+    max_position_embeddings: int | None = None
 
 
 class ModelList(ResponseModel):

@@ -3,6 +3,7 @@ generated like a completion, streamed or not, with OpenAI's chat logprobs."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from mcserve.engine.outputs import Logprob, RequestOutput
 from mcserve.server import protocol as P
 from mcserve.server.errors import APIError
 from mcserve.server.params import mc_overrides, sampling_params
+from mcserve.server.prompts import INLINE_CHARS, check_utf8
 from mcserve.server.state import ServerState
 from mcserve.server.streaming import (
     LOGPROB_FLOOR,
@@ -40,11 +42,22 @@ def _messages(msgs: list[P.ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt(st: ServerState, msgs: list[P.ChatMessage], add_generation_prompt: bool) -> str:
-    """The prompt text of ``msgs`` through the tokenizer's chat template."""
+async def chat_prompt(st: ServerState, msgs: list[P.ChatMessage],
+                      add_generation_prompt: bool) -> str:
+    """The prompt text of ``msgs`` through the tokenizer's chat template (rendered on a worker
+    thread when the messages are long, so that the event loop goes on meanwhile)."""
+    messages = _messages(msgs)
+    for i, m in enumerate(messages):
+        for key in ("content", "name"):
+            if key in m:
+                check_utf8(m[key], "messages", what=f"messages[{i}].{key}")
+    def render() -> str:
+        return st.tokenizer.apply_chat_template(messages,
+                                                add_generation_prompt=add_generation_prompt)
+
+    size = sum(len(m["content"]) for m in messages)
     try:
-        return st.tokenizer.apply_chat_template(
-            _messages(msgs), add_generation_prompt=add_generation_prompt)
+        return render() if size <= INLINE_CHARS else await asyncio.to_thread(render)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -72,25 +85,27 @@ async def create_chat_completion(
     st.check_model(body.model)
     if body.tools and body.tool_choice != "none":
         raise APIError(400, "tools are not supported", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        # "required" or a named function: a tool call is demanded, and there is no tool
+        raise APIError(400, f"tool_choice={body.tool_choice!r} requires tools, and tools are "
+                       "not supported (tool_choice may be 'none' or 'auto')",
+                       param="tool_choice")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError(400, "response_format: only {'type': 'text'} is supported",
                        param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    prompt = chat_prompt(st, body.messages, body.add_generation_prompt)
-    ids = st.tokenizer.encode(prompt, add_special_tokens=False)
+    prompt = await chat_prompt(st, body.messages, body.add_generation_prompt)
+    ids = await st.encoder.encode(prompt, add_special_tokens=False, param="messages")
     if not ids:
         raise APIError(400, "messages: the chat template rendered an empty prompt",
                        param="messages")
-    if len(ids) >= st.max_model_len:
-        raise APIError(400, f"the prompt is {len(ids)} tokens, longer than max_model_len="
-                       f"{st.max_model_len} minus one generated token", param="messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = st.max_model_len - len(ids)
     top_n = body.top_logprobs or 0
     params = sampling_params(st, body, max_tokens, top_n if body.logprobs else None, None)
-    mc = mc_overrides(body)
+    mc = mc_overrides(st, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = await st.submit([(rid, prompt, ids)], params, mc)

@@ -126,25 +126,38 @@ class _CompletionBuilder:
                                   stop_reason=None if self.drop else c.stop_reason)
 
 
-def _completion_prompts(st: ServerState, prompt: Any) -> list[tuple[str | None, list[int] | None]]:
+async def _completion_prompts(
+    st: ServerState, prompt: Any
+) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt; texts are tokenized here (off the event loop when
+    long), so that the engine thread never tokenizes."""
     if isinstance(prompt, str):
-        return [(prompt, None)]
+        prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     if all(isinstance(p, str) for p in prompt):
-        out: list[tuple[str | None, list[int] | None]] = [(p, None) for p in prompt]
+        given: list[tuple[str | None, list[int] | None]] = [(p, None) for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
-        out = [(None, list(prompt))]
+        given = [(None, list(prompt))]
     else:
-        out = [(None, list(p)) for p in prompt]
-    if len(out) > P.MAX_PROMPTS:
+        given = [(None, list(p)) for p in prompt]
+    if len(given) > P.MAX_PROMPTS:
         raise APIError(400, f"prompt: at most {P.MAX_PROMPTS} prompts per request",
                        param="prompt")
-    for i, (_, ids) in enumerate(out):
-        if ids is not None:
-            if not ids:
-                raise APIError(400, f"prompt[{i}] must not be empty", param="prompt")
+    L = st.max_model_len
+    out: list[tuple[str | None, list[int]]] = []
+    for i, (text, ids) in enumerate(given):
+        if ids is None:
+            assert text is not None
+            ids = await st.encoder.encode(text, add_special_tokens=True, param="prompt")
+        else:
+            if len(ids) >= L:  # before the id check: a huge list is refused at its length
+                raise APIError(400, f"prompt[{i}] is {len(ids)} tokens, longer than "
+                               f"max_model_len={L} minus one generated token", param="prompt")
             st.check_token_ids(ids, "prompt")
+        if not ids:
+            raise APIError(400, f"prompt[{i}] must not be empty", param="prompt")
+        out.append((text, ids))
     return out
 
 
@@ -155,11 +168,12 @@ async def create_completion(st: ServerState, body: P.CompletionRequest, raw: Req
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (beam search and best-of are not supported)",
                        param="best_of")
-    prompts = _completion_prompts(st, body.prompt)
-    if len(prompts) * body.n > P.MAX_PROMPTS:
+    if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
+            and len(body.prompt) * body.n > P.MAX_PROMPTS:
         raise APIError(400, f"n times the number of prompts must be at most {P.MAX_PROMPTS}",
                        param="n")
-    max_tokens = body.max_tokens
+    # null means the default, as OpenAI's API has it (16), not "up to the context's end"
+    max_tokens = P.DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     drop = False
     if max_tokens == 0:
         if not body.echo:
@@ -168,7 +182,9 @@ async def create_completion(st: ServerState, body: P.CompletionRequest, raw: Req
         max_tokens, drop = 1, True
     prompt_lp = body.logprobs if body.echo else None
     params = sampling_params(st, body, max_tokens, body.logprobs, prompt_lp)
-    mc = mc_overrides(body)
+    mc = mc_overrides(st, body)
+    # the cheap checks above come first: tokenizing is the one costly step before the engine
+    prompts = await _completion_prompts(st, body.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     subs = [(f"{rid}-{i}", text, ids) for i, (text, ids) in enumerate(prompts)]

@@ -18,6 +18,7 @@ from mcserve.server.async_engine import (
 )
 from mcserve.server.errors import RETRY_AFTER_QUEUE_S, APIError, engine_error, unavailable
 from mcserve.server.metrics import ServerMetrics
+from mcserve.server.prompts import PromptEncoder
 
 # bound on the token-string cache: a vocabulary is far smaller, a runaway tokenizer is not
 _TOKEN_STR_CACHE = 1_000_000
@@ -32,8 +33,27 @@ class ServerState:
     tokenizer: Any
     metrics: ServerMetrics
     shutdown_grace_s: float = 5.0
+    # the model's Memory Caching variant, and whether it selects cached segments (ssc: the
+    # only variant where mc_top_k means something per request); None: the engine decides
+    mc_variant: str | None = None
+    mc_selects: bool | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # HTTP requests whose response is not fully sent yet (GuardMiddleware counts them): a
+    # shutdown waits for it to reach 0 before it lets the HTTP server close connections
+    http_in_flight: int = 0
     _token_str: dict[int, str] = field(default_factory=dict)
+    _encoder: PromptEncoder | None = None
+
+    @property
+    def encoder(self) -> PromptEncoder:
+        if self._encoder is None:
+            self._encoder = PromptEncoder(self.tokenizer, self.max_model_len)
+        return self._encoder
+
+    @property
+    def draining(self) -> bool:
+        """True once the server shuts down (or the engine died): new requests get 503."""
+        return not self.aengine.accepting
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
