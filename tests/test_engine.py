@@ -128,6 +128,33 @@ def test_greedy_same_alone_batched_preempted_cached(memory, variant, mode):
     assert run(serial, ps) == alone
 
 
+@pytest.mark.parametrize("memory,variant,mode", [
+    pytest.param("linear", "grm", "checkpoint", id="linear-grm"),
+    pytest.param("linear", "post", "independent", id="linear-post-indep"),
+    pytest.param("dla", "ssc", "checkpoint", id="dla-ssc"),
+])
+@pytest.mark.parametrize("prompt_len", [9, 40, 63])
+def test_one_model_call_per_prefill_chunk(memory, variant, mode, prompt_len):
+    """A prefill chunk crossing many segment boundaries (segments of 4 tokens: 2 to 15 of them
+    here) is one model call, and the checkpoints it writes serve a later prefix hit exactly."""
+    model = make_model(memory, variant, mode)
+    calls = []
+    model.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[1]))
+    g = torch.Generator().manual_seed(prompt_len)
+    p = torch.randint(0, 256, (prompt_len,), generator=g).tolist()
+    want = greedy(model, p, GREEDY.max_tokens)
+    calls.clear()
+    eng = make_engine(model, max_num_batched_tokens=64)
+    assert run(eng, [p]) == [want]
+    assert calls == [prompt_len], "prefill took more than one model call"
+    # the blocks written by that one call are what a second request resumes from
+    hits0 = eng.stats()["prefix_cache_hits"]
+    calls.clear()
+    assert run(eng, [p]) == [want]
+    assert eng.stats()["prefix_cache_hits"] > hits0
+    assert calls == [prompt_len - (prompt_len - 1) // 4 * 4]  # only the uncached tail
+
+
 def test_chunked_prefill_aligned_and_budgeted():
     model = make_model()
     eng = make_engine(model, max_num_batched_tokens=8)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcserve.kernels import reference
+from mcserve.config import MCConfig
+from mcserve.kernels import mc_chunk, reference
 from mcserve.kernels.mc_chunk import mc_linear_chunk, mc_linear_chunk_naive
 
 VARIANTS = ("grm", "soup", "ssc", "residual", "post")
@@ -38,7 +39,8 @@ def _run_split(fn, q, k, v, u, log_a, b, cuts, *, variant, C, top_k, mode):
             continue
         sl = slice(p, e)
         y, S, bs, bk = fn(q[:, sl], k[:, sl], v[:, sl], u[:, sl], log_a[:, sl], b[:, sl],
-                          variant=variant, segment_len=C, top_k=top_k, mode=mode, **st)
+                          mc=MCConfig(variant=variant, segment_len=C, top_k=top_k, mode=mode),
+                          **st)
         ys.append(y)
         fill = st["initial_fill"] + (e - p)
         ksum = st["initial_ksum"] + k[:, sl].sum(1) if fill < C else None
@@ -63,7 +65,8 @@ def _run_split(fn, q, k, v, u, log_a, b, cuts, *, variant, C, top_k, mode):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("mode", ["checkpoint", "independent"])
-def test_chunk_equals_reference_whole_and_split(variant, mode):
+def test_chunk_equals_reference_whole_and_split(monkeypatch, variant, mode):
+    monkeypatch.setattr(mc_chunk, "SPARSE_FACTOR", 1)  # ssc: the gathered picks
     gen = torch.Generator().manual_seed(hash((variant, mode)) % 2**31)
     B, T, H, K, V, C = 2, 53, 3, 4, 5, 8  # T not a multiple of C, several heads
     q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen)
@@ -79,10 +82,12 @@ def test_chunk_equals_reference_whole_and_split(variant, mode):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("variant", ["grm", "ssc", "post"])
-def test_chunk_equals_naive_twin_from_a_carried_state(variant):
+@pytest.mark.parametrize("variant,sparse", [("grm", 4), ("ssc", 1), ("ssc", 10**9),
+                                            ("post", 4)])
+def test_chunk_equals_naive_twin_from_a_carried_state(monkeypatch, variant, sparse):
     """Random carried state (online fill, key sums, cached checkpoints): fast == naive twin,
-    float32, all four outputs."""
+    float32, all four outputs; ssc through the gathered picks and through the dense readout."""
+    monkeypatch.setattr(mc_chunk, "SPARSE_FACTOR", sparse)
     gen = torch.Generator().manual_seed(7)
     B, T, H, K, V, C = 3, 37, 2, 8, 6, 16
     q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)
@@ -92,10 +97,9 @@ def test_chunk_equals_naive_twin_from_a_carried_state(variant):
               cached=torch.randn(B, N, H, K, V, generator=gen),
               cached_ksum=torch.randn(B, N, H, K, generator=gen) * 4, n_segments=5)
     for mode in ("checkpoint", "independent"):
-        got = mc_linear_chunk(q, k, v, u, log_a, b, variant=variant, segment_len=C, top_k=2,
-                              mode=mode, **st)
-        want = mc_linear_chunk_naive(q, k, v, u, log_a, b, variant=variant, segment_len=C,
-                                     top_k=2, mode=mode, **st)
+        mc = MCConfig(variant=variant, segment_len=C, top_k=2, mode=mode)
+        got = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
+        want = mc_linear_chunk_naive(q, k, v, u, log_a, b, mc=mc, **st)
         for g, w in zip(got, want):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
@@ -110,7 +114,7 @@ def test_chunk_without_gates_and_single_token():
                      torch.ones(B, 9, H, dtype=q.dtype), list(range(1, 9)), variant="grm", C=C,
                      top_k=2, mode="checkpoint")
     torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-10)
-    y, *_ = mc_linear_chunk(q, k, v, u, None, None, variant="grm", segment_len=C,
+    y, *_ = mc_linear_chunk(q, k, v, u, None, None, mc=MCConfig(variant="grm", segment_len=C),
                             **_empty(B, H, K, V))
     torch.testing.assert_close(y[0], want, rtol=1e-10, atol=1e-10)
 
@@ -119,8 +123,10 @@ def test_chunk_rejects_bad_arguments():
     gen = torch.Generator().manual_seed(0)
     q, k, v, u, log_a, b = _inputs(1, 4, 1, 2, 2, gen)
     st = _empty(1, 1, 2, 2)
-    with pytest.raises(ValueError, match="variant"):
-        mc_linear_chunk(q, k, v, u, log_a, b, variant="none", segment_len=4, **st)
+    with pytest.raises(ValueError, match="constant segmentation"):
+        mc_linear_chunk(q, k, v, u, log_a, b, mc=MCConfig(variant="none"), **st)
     with pytest.raises(ValueError, match="initial_fill"):
-        mc_linear_chunk(q, k, v, u, log_a, b, variant="grm", segment_len=4,
+        mc_linear_chunk(q, k, v, u, log_a, b, mc=MCConfig(segment_len=4),
                         **{**st, "initial_fill": 4})
+    with pytest.raises(ValueError, match="top_k"):
+        mc_linear_chunk(q, k, v, u, log_a, b, mc=MCConfig(segment_len=4), top_k=0, **st)

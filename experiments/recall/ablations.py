@@ -65,6 +65,7 @@ class XOnlyGates(MCMemory):
     def __init__(self, family, cfg, emb: nn.Parameter):
         super().__init__(family, cfg)
         self.emb = emb  # (H, MAX_DIST, K), owned by the mixer
+        self.chunked = False  # the one-pass chunk path scores by content: keep the _piece loop
         if cfg.variant not in ("grm", "ssc") or self.soup:
             raise ValueError("XOnlyGates supports grm and ssc on non-soup memories")
 
@@ -77,7 +78,7 @@ class XOnlyGates(MCMemory):
         r = torch.einsum("blhk,hnk->blnh", u, self.emb[:, dist]) / math.sqrt(K)  # (B,L,N+1,H)
         r_c, r_on = r[:, :, :N], r[:, :, N]
         if self.cfg.variant == "ssc" and N > self.cfg.top_k:
-            idx = self._select(r_c)
+            idx = self._select(r_c, self.cfg.top_k)
             gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
             w_c = q.new_zeros(B, L, N, H).scatter(2, idx, gamma[:, :, :-1])
         else:

@@ -32,7 +32,6 @@ class ModelRunner:
         # at all, or loglinear's private states (below)
         self.caches_blocks = mc.caches_blocks
         self.mems = [blk.mixer.memory for blk in model.layers]
-        self.inits = [blk.mixer.init_memory() for blk in model.layers]
         # the initial online memory of each layer, without the batch dim
         self.init_mem = [
             {k: t[0] for k, t in blk.mixer.init_state(1, model.dtype, model.device).mc.mem.items()}
@@ -142,33 +141,8 @@ class ModelRunner:
         pass over the weights instead of one per sequence."""
         if len(items) == 1:
             return self.prefill(items[0], False)
-        seqs = [it.seq for it in items]
         assert len({self.batch_key(it) for it in items}) == 1, "prefill_batch: mixed phases"
-        for it in items:
-            if it.resume_block is not None:
-                self.init_slot(it.seq, it.resume_block)
-        state = self._stack_states([self.load_state(q) for q in seqs])
-        n = items[0].num_tokens
-        rows = [q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n] for q in seqs]
-        new_blocks = [list(it.new_blocks) for it in items]
-        C = self.mc.segment_len
-        p, logits = 0, None
-        while p < n:
-            m = n - p
-            if self.caches_blocks:
-                m = min(m, C - seqs[0].segment_fill)
-            x = torch.tensor([r[p:p + m] for r in rows], dtype=torch.long,
-                             device=self.model.device)
-            logits, state = self.model(x, state, last_only=True)
-            p += m
-            for q in seqs:
-                q.num_computed_tokens += m
-                q.segment_fill += m
-            if self.caches_blocks and seqs[0].segment_fill == C:
-                self._push_state(seqs, state, [nb.pop(0) for nb in new_blocks])
-        assert not any(new_blocks), "scheduler allocated blocks the chunk did not complete"
-        self.store_state(seqs, state)
-        return logits[:, -1]
+        return self._prefill_rows(items, False)[:, -1]
 
     @torch.no_grad()
     def prefill(self, item: ScheduledSeq, want_all_logits: bool) -> Tensor:
@@ -182,49 +156,66 @@ class ModelRunner:
             logits, self.states[seq.seq_id] = self.model(x, state, last_only=not want_all_logits)
             seq.num_computed_tokens += item.num_tokens
             return logits[0] if want_all_logits else logits[0, -1:]
-        if item.resume_block is not None:
-            self.init_slot(seq, item.resume_block)
-        state = self.load_state(seq)
-        p0 = seq.num_computed_tokens
-        ids = seq.all_ids[p0:p0 + item.num_tokens]
-        new_blocks = list(item.new_blocks)
-        C = self.mc.segment_len
-        outs, p = [], 0
-        while p < len(ids):
-            n = len(ids) - p
-            if self.caches_blocks:
-                n = min(n, C - seq.segment_fill)
-            x = torch.tensor([ids[p:p + n]], dtype=torch.long, device=self.model.device)
-            logits, state = self.model(x, state, last_only=not want_all_logits)
-            outs.append(logits[0] if want_all_logits else logits[0, -1:])
-            p += n
-            seq.num_computed_tokens += n
-            seq.segment_fill += n
-            if self.caches_blocks and seq.segment_fill == C:
-                self._push_state([seq], state, [new_blocks.pop(0)])
-        assert not new_blocks, "scheduler allocated blocks the chunk did not complete"
-        self.store_state([seq], state)
-        return torch.cat(outs) if want_all_logits else outs[-1]
+        return self._prefill_rows([item], want_all_logits)[0]
 
-    def _push_state(self, seqs: list[Sequence], state: ModelState, bids: list[int]) -> None:
-        """The online segment of every row just completed: write row r's checkpoint into block
-        ``bids[r]``."""
-        idx = torch.tensor(bids, dtype=torch.long, device=self.model.device)
-        for mc, bl, ls, init in zip(self.mems, self.cache.block, state.layers, self.inits,
-                                    strict=True):
-            st = ls.mc
-            for k, t in st.mem.items():
-                bl[f"mem.{k}"][idx] = t
-            bl["ksum"][idx] = st.seg_ksum
-            if ls.conv is not None:
-                bl["conv"][idx] = ls.conv
-            mc.push(st, init)
+    def _prefill_rows(self, items: list[ScheduledSeq], want_all_logits: bool) -> Tensor:
+        """The chunk of every item (same phase, same length) through the model in ONE call,
+        however many segment boundaries it crosses; the checkpoint of every boundary crossed
+        is written into the item's pool blocks in one scatter per layer and pool tensor.
+        Returns logits ``(B, n, V)`` (all positions) or ``(B, 1, V)``."""
+        seqs = [it.seq for it in items]
+        for it in items:
+            if it.resume_block is not None:
+                self.init_slot(it.seq, it.resume_block)
+        state = self._stack_states([self.load_state(q) for q in seqs])
+        n = items[0].num_tokens
+        x = torch.tensor([q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n]
+                          for q in seqs], dtype=torch.long, device=self.model.device)
+        if self.caches_blocks:
+            for ls in state.layers:
+                ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
+        logits, state = self.model(x, state, last_only=not want_all_logits)
+        for q in seqs:
+            q.num_computed_tokens += n
+        if self.caches_blocks:
+            self._write_checkpoints(items, state)
+        self.store_state(seqs, state)
+        return logits
+
+    def _write_checkpoints(self, items: list[ScheduledSeq], state: ModelState) -> None:
+        """Scatter the checkpoints the model recorded in this chunk into the blocks the
+        scheduler allocated for them (``item.new_blocks``, oldest first), and register them."""
+        seqs = [it.seq for it in items]
+        n_new = len(state.layers[0].mc.record)
+        assert all(len(it.new_blocks) == n_new for it in items), \
+            "the scheduler's new blocks and the checkpoints of the chunk disagree"
+        C = self.mc.segment_len
+        for q in seqs:
+            q.segment_fill = (q.segment_fill + items[0].num_tokens) % C
+        if not n_new:
+            for ls in state.layers:
+                ls.mc.record = None
+            return
+        # (row, checkpoint) row-major, as torch.stack(..., 1).flatten(0, 1) lays them out
+        idx = torch.tensor([bid for it in items for bid in it.new_blocks[:n_new]],
+                           dtype=torch.long, device=self.model.device)
+
+        def stacked(ts: list[Tensor]) -> Tensor:
+            return torch.stack(ts, 1).flatten(0, 1)
+
+        for mc, bl, ls in zip(self.mems, self.cache.block, state.layers, strict=True):
+            rec, ls.mc.record = ls.mc.record, None
+            for k in rec[0]["mem"]:
+                bl[f"mem.{k}"][idx] = stacked([r["mem"][k] for r in rec])
+            bl["ksum"][idx] = stacked([r["ksum"] for r in rec])
+            if "conv" in bl:
+                bl["conv"][idx] = stacked([r["conv"] for r in rec])
             if mc.collapsed:
                 for k in mc.family.readout_keys:
-                    bl[f"csum.{k}"][idx] = st.cached[k][:, 0]
-        for seq, bid in zip(seqs, bids, strict=True):
-            seq.segment_fill = 0
-            self._register(seq, bid)
+                    bl[f"csum.{k}"][idx] = stacked([r["csum"][k] for r in rec])
+        for it in items:
+            for bid in it.new_blocks[:n_new]:
+                self._register(it.seq, bid)
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()

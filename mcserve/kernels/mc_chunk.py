@@ -14,13 +14,14 @@ constant number of large tensor ops:
   and one weighted readout as batched matmuls, blockwise over checkpoints so memory stays bounded.
 
 ``mc_linear_chunk_naive`` is its per-token twin with the same signature (the test oracle beside
-``mcserve.kernels.reference.mc_linear``). Both follow the flash-linear-attention convention: the
-running state goes in as ``initial_state`` and comes back as ``final_state``.
+``mcserve.kernels.reference.mc_linear``). Both take the layer's ``MCConfig`` (its constant
+segmentation, mode and variant capabilities) and follow the flash-linear-attention convention:
+the running state goes in as ``initial_state`` and comes back as ``final_state``.
 
 The gates are ``log_a`` (log of the decay a ∈ (0, 1], ≤ 0) and ``b`` (write gate); None means
-all ones. Variants: ``grm``/``soup`` (equal on this family), ``ssc``, ``residual``, ``post``.
-For ``residual``/``post`` the cached memories enter as their running sum (one state), since on
-a linear memory Σ_i M⁽ⁱ⁾(q) = (Σ_i S_i)ᵀq.
+all ones. Every constant-segmentation variant applies (``grm`` and ``soup`` are equal on this
+family). For the fixed-weight variants (``residual``, ``post``) the cached memories enter as
+their running sum (one state), since on a linear memory Σ_i M⁽ⁱ⁾(q) = (Σ_i S_i)ᵀq.
 """
 
 from __future__ import annotations
@@ -30,24 +31,25 @@ import math
 import torch
 from torch import Tensor
 
+from mcserve.config import MCConfig
 from mcserve.kernels.gla import chunk_gla, naive_gla
 
-CHUNK_VARIANTS = ("grm", "soup", "ssc", "residual", "post")
 _READ_BLOCK = 32  # checkpoints per GEMM in the cached readout
 _TOKEN_TILE = 256  # tokens per GEMM (measured best on a 2-core AVX2 CPU at K = V = 64)
+# ssc reads its picks through a gather (embedding bag) instead of the dense tiled readout once
+# there are this many times more checkpoints than picks: the dense form reads every checkpoint
+# for every token, the gather top_k of them
+SPARSE_FACTOR = 4
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, u: Tensor, initial_state: Tensor,
            initial_ksum: Tensor, initial_fill: int, cached: Tensor, cached_ksum: Tensor,
-           variant: str, segment_len: int, top_k: int, mode: str) -> None:
-    if variant not in CHUNK_VARIANTS:
-        raise ValueError(f"variant must be one of {CHUNK_VARIANTS}, got {variant!r}")
-    if mode not in ("checkpoint", "independent"):
-        raise ValueError(f"mode must be 'checkpoint' or 'independent', got {mode!r}")
-    if not isinstance(segment_len, int) or segment_len < 1:
-        raise ValueError(f"segment_len must be a positive integer, got {segment_len!r}")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+           mc: MCConfig, top_k: int | None) -> None:
+    if not isinstance(mc, MCConfig) or not mc.caches_blocks:
+        raise ValueError(f"mc must be an MCConfig with constant segmentation, got {mc!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    segment_len = mc.segment_len
     if not 0 <= initial_fill < segment_len:
         raise ValueError(f"initial_fill must lie in [0, segment_len={segment_len}), "
                          f"got {initial_fill}")
@@ -63,7 +65,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, u: Tensor, initial_state: Tensor,
         raise ValueError(f"cached must be (B, N, H, K, V), got {tuple(cached.shape)}")
     if cached_ksum.shape != cached.shape[:2] + (H, K):
         raise ValueError(f"cached_ksum must be (B, N, H, K), got {tuple(cached_ksum.shape)}")
-    if variant in ("residual", "post") and cached.shape[1] > 1:
+    if mc.fixed_weights and cached.shape[1] > 1:
         raise ValueError("residual/post take the cached memories as one summed state (N <= 1)")
 
 
@@ -101,11 +103,30 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
     return out.transpose(1, 2)
 
 
+def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    """Σ_j w[:, t, j] S_{idx[:, t, j]}ᵀ q_t per head, reading only the picked checkpoints.
+
+    S ``(B, N, H, K, V)`` contiguous, q ``(B, L, H, K)``, idx ``(B, L, k, H)`` checkpoint
+    indices, w ``(B, L, k, H)`` their weights. One embedding bag per (row, token, head) sums the
+    rows S[b, idx, h, :, :] weighted by w·q, so no (L, k, K, V) gather is materialised.
+    """
+    B, N, H, K, V = S.shape
+    L, k = q.shape[1], idx.shape[2]
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    h = torch.arange(H, device=q.device)[None, None, None, :]
+    base = ((b * N + idx) * H + h) * K  # (B, L, k, H) first row of each picked state
+    rows = base[..., None] + torch.arange(K, device=q.device)  # (B, L, k, H, K)
+    rows = rows.permute(0, 1, 3, 2, 4).reshape(B * L * H, k * K)
+    wts = (w.permute(0, 1, 3, 2)[..., None] * q[:, :, :, None, :])  # (B, L, H, k, K)
+    y = torch.nn.functional.embedding_bag(rows, S.reshape(-1, V), mode="sum",
+                                          per_sample_weights=wts.reshape(B * L * H, k * K))
+    return y.view(B, L, H, V)
+
+
 def mc_linear_chunk(
     q: Tensor, k: Tensor, v: Tensor, u: Tensor, log_a: Tensor | None = None,
     b: Tensor | None = None, *, initial_state: Tensor, initial_ksum: Tensor, initial_fill: int,
-    cached: Tensor, cached_ksum: Tensor, n_segments: int, variant: str, segment_len: int,
-    top_k: int = 2, mode: str = "checkpoint",
+    cached: Tensor, cached_ksum: Tensor, n_segments: int, mc: MCConfig, top_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """MC over the gated linear memory for a span of tokens that may cross many segments.
 
@@ -113,16 +134,16 @@ def mc_linear_chunk(
     at the same phase: ``initial_fill`` tokens (< segment_len) already in the online segment,
     whose state is ``initial_state`` ``(B, H, K, V)`` and key sum ``initial_ksum`` ``(B, H, K)``;
     ``cached`` ``(B, N, H, K, V)`` / ``cached_ksum`` ``(B, N, H, K)`` the cached checkpoints (all
-    full segments), or for ``residual``/``post`` their sum (N ≤ 1); ``n_segments`` the number of
-    cached segments so far.
+    full segments), or for the fixed-weight variants their sum (N ≤ 1); ``n_segments`` the
+    number of cached segments so far; ``top_k`` a per-request override of ``mc.top_k``.
 
     Returns ``(y, final_state, boundary_states, boundary_ksums)``: y ``(B, T, H, V)``; the
     state after the last token ``(B, H, K, V)`` (in independent mode not yet restarted when the
     span ends on a boundary); the state and key sum at the end of every segment the span
     completes, oldest first, ``(B, n_b, H, K, V)`` / ``(B, n_b, H, K)``.
     """
-    _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, variant,
-           segment_len, top_k, mode)
+    _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, mc, top_k)
+    segment_len, top_k = mc.segment_len, top_k or mc.top_k
     B, T, H, K = q.shape
     V = v.shape[-1]
     C, f0 = segment_len, initial_fill
@@ -156,7 +177,7 @@ def mc_linear_chunk(
     starts, ends = [], []
     S = initial_state
     for g in range(G):  # the only loop: two small ops per segment on (B, H, K, V)
-        if g and mode == "independent":
+        if g and mc.independent:
             S = torch.zeros_like(S)
         starts.append(S)
         S = S * decay_seg[:, g, :, None, None] + D[:, g]
@@ -168,13 +189,13 @@ def mc_linear_chunk(
     kc = kf.cumsum(2)  # (B, G, C, H, K)
     kc[:, 0] += initial_ksum[:, None]
     seg_ksum = kc[:, :, -1]  # (B, G, H, K) key sum of each (padded) segment
-    if variant in ("residual", "post"):
+    if mc.fixed_weights:
         # collapsed: the cached memories are one running sum; segment g adds g new checkpoints
         csum0 = cached.sum(1) if cached.shape[1] else torch.zeros_like(initial_state)
         prev = torch.cat([torch.zeros_like(S_end[:, :1]), S_end[:, :-1]], 1).cumsum(1)
         csum = csum0[:, None] + prev  # (B, G, H, K, V) cached sum seen by segment g
         y = o + torch.einsum("bgchk,bghkv->bgchv", qf, csum)
-        if variant == "post":
+        if mc.averages:
             counts = n_segments + 1 + torch.arange(G, device=q.device, dtype=q.dtype)
             y = y / counts[None, :, None, None, None]
     else:
@@ -191,16 +212,23 @@ def mc_linear_chunk(
         r_c = r_c.masked_fill(~visible[None, :, None, :, None], float("-inf"))
         r_c = r_c.reshape(B, G * C, N, H)
         r_on = r_on.reshape(B, G * C, H)
-        if variant == "ssc" and N > top_k:
+        picks = None
+        if mc.selects and N > top_k:
             idx = _select(r_c, top_k)  # (B, L, top_k, H)
             gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
-            w_c = torch.zeros_like(r_c).scatter(2, idx, gamma[:, :, :-1])
+            if N >= SPARSE_FACTOR * top_k and not (torch.is_grad_enabled() and q.requires_grad):
+                picks = (idx, gamma[:, :, :-1])
+                w_c = None
+            else:
+                w_c = torch.zeros_like(r_c).scatter(2, idx, gamma[:, :, :-1])
         else:
             gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), 2)
             w_c = gamma[:, :, :-1]
         w_on = gamma[:, :, -1]  # (B, L, H)
         y = o.reshape(B, G * C, H, V) * w_on[..., None]
-        if N:
+        if picks is not None:
+            y = y + _readout_picks(Sc.contiguous(), qf.reshape(B, G * C, H, K), *picks)
+        elif N:
             y = y + _readout_blocks(Sc, qf.reshape(B, G * C, H, K), w_c, N0, C)
     y = y.reshape(B, G * C, H, V)[:, f0:f0 + T]
     # a partial last segment's padding wrote nothing and did not decay: S_end[:, -1] is exact
@@ -210,12 +238,11 @@ def mc_linear_chunk(
 def mc_linear_chunk_naive(
     q: Tensor, k: Tensor, v: Tensor, u: Tensor, log_a: Tensor | None = None,
     b: Tensor | None = None, *, initial_state: Tensor, initial_ksum: Tensor, initial_fill: int,
-    cached: Tensor, cached_ksum: Tensor, n_segments: int, variant: str, segment_len: int,
-    top_k: int = 2, mode: str = "checkpoint",
+    cached: Tensor, cached_ksum: Tensor, n_segments: int, mc: MCConfig, top_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``mc_linear_chunk`` token by token (same signature and results): the oracle twin."""
-    _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, variant,
-           segment_len, top_k, mode)
+    _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, mc, top_k)
+    segment_len, top_k = mc.segment_len, top_k or mc.top_k
     B, T, H, K = q.shape
     C = segment_len
     S, ksum, fill = initial_state, initial_ksum, initial_fill
@@ -225,14 +252,14 @@ def mc_linear_chunk_naive(
     ys, b_states, b_ksums = [], [], []
     for t in range(T):
         if fill == C:  # the previous token completed a segment: it becomes a cached memory
-            if variant in ("residual", "post"):
+            if mc.fixed_weights:
                 mems = [S + mems[0]] if mems else [S]
             else:
                 mems.append(S)
                 ksums.append(ksum)
             n_seg += 1
             ksum, fill = torch.zeros_like(ksum), 0
-            if mode == "independent":
+            if mc.independent:
                 S = torch.zeros_like(S)
         la = None if log_a is None else log_a[:, t:t + 1]
         bb = None if b is None else b[:, t:t + 1]
@@ -241,10 +268,8 @@ def mc_linear_chunk_naive(
         ksum, fill = ksum + k[:, t], fill + 1
         qt = q[:, t]
         reads = [torch.einsum("bhk,bhkv->bhv", qt, m) for m in mems]
-        if variant == "residual":
-            y = o + sum(reads)
-        elif variant == "post":
-            y = (o + sum(reads)) / (n_seg + 1)
+        if mc.fixed_weights:
+            y = (o + sum(reads)) / (n_seg + 1 if mc.averages else 1)
         else:
             r = [(u[:, t] * ks).sum(-1) / (C * math.sqrt(K)) for ks in ksums]  # (B, H) each
             r_on = (u[:, t] * ksum).sum(-1) / (fill * math.sqrt(K))
@@ -253,7 +278,7 @@ def mc_linear_chunk_naive(
                 for h in range(H):
                     sc = [float(x[bi, h]) for x in r]
                     pick = list(range(len(sc)))
-                    if variant == "ssc":
+                    if mc.selects:
                         pick.sort(key=lambda i, sc=sc: (sc[i], i), reverse=True)
                         pick = sorted(pick[:top_k])
                     logits = torch.stack([r[i][bi, h] for i in pick] + [r_on[bi, h]])

@@ -40,7 +40,7 @@ from mcserve.config import MCConfig, validate_mc
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
-from mcserve.models.native import LayerState, RecurrentLM
+from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
 from mcserve.models.packed_linear import is_packed
 
 #: used for ``segment_len`` when the checkpoint records no training length
@@ -224,15 +224,19 @@ class Mamba2Mixer(nn.Module):
         return LayerState(mc, conv)
 
     # ------------------------------------------------------------------ pieces
-    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False):
+    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False,
+                 keep_conv_input: bool = False):
         """x ``(B, T, D)`` → z, x_h ``(B, T, H, P)``, q, k, u ``(B, T, H, N)``, gates, tail.
 
-        ``inplace`` (decode): ``conv_tail`` is shifted in place (``kernels.cpu.conv_step_``)."""
+        ``inplace`` (decode): ``conv_tail`` is shifted in place (``kernels.cpu.conv_step_``).
+        ``keep_conv_input``: also return the conv's input ``(B, w - 1 + T, C)`` (for
+        ``fill_conv_tails``)."""
         B, T, _ = x.shape
         cfg = self.cfg
         H, P, N, G = self.H, self.P, self.N, self.G
         z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, H], dim=-1)
         w = self.conv1d.weight[:, 0]  # (C, w)
+        full = None
         if T == 1 and inplace:  # decode: conv + bias + silu in one pass, the tail shifted in place
             xbc = cpu_ops.conv_step_(conv_tail, xbc[:, 0], w, self.conv1d.bias, True)[:, None]
         else:
@@ -263,6 +267,8 @@ class Mamba2Mixer(nn.Module):
             delta = delta.clamp(lo, hi)
         A = -torch.exp(_up(self.A_log))  # (H,)
         gates = {"log_a": (delta * A).to(xs.dtype), "b": delta.to(xs.dtype)}
+        if keep_conv_input:
+            return z, xs, q, k, gates, conv_tail, full
         return z, xs, q, k, gates, conv_tail
 
     def _output(self, z: Tensor, xs: Tensor, y: Tensor) -> Tensor:
@@ -274,8 +280,12 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(self.out_proj.weight.dtype))
 
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        z, xs, q, k, gates, conv = self._project(x, state.conv)
+        record = state.mc.record
+        z, xs, q, k, gates, conv, *conv_input = self._project(
+            x, state.conv, keep_conv_input=record is not None)
         y, mc = self.memory.forward(state.mc, q, k, xs, q, gates)
+        if record is not None:
+            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
         return self._output(z, xs, y), LayerState(mc, conv)
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:

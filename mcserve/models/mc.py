@@ -29,6 +29,7 @@ from torch import Tensor
 
 from mcserve.config import MCConfig
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.kernels.mc_chunk import mc_linear_chunk
 from mcserve.models.memory.base import MemoryFamily, State
 from mcserve.models.memory.linear import LinearMemory
 
@@ -152,6 +153,10 @@ class MCLayerState:
     v_dim: int = 0  # value dim, to rebuild the initial memory in independent mode
     top_k: int | None = None  # per-request ssc override of MCConfig.top_k
     _stack: _Stack | None = field(default=None, repr=False, compare=False)
+    # when a list: ``MCMemory.forward`` appends a record of every segment it completes (its
+    # checkpoint, for the engine to write into a pool block) and pushes a segment completed by
+    # the span's last token at once, instead of at the start of the next span
+    record: list[dict] | None = field(default=None, repr=False, compare=False)
 
     def append(self, block: State, ksum: Tensor, length: int, pos: int) -> None:
         """Cache one more segment: block tensors ``(B, ...)``, its key sum ``(B, H, K)``."""
@@ -194,6 +199,7 @@ class MCLayerState:
             self, mem={k: fn(t) for k, t in self.mem.items()}, seg_ksum=fn(self.seg_ksum),
             cached={k: fn(t) for k, t in self.cached.items()}, cached_ksum=fn(self.cached_ksum),
             cached_len=list(self.cached_len), cached_pos=list(self.cached_pos), _stack=None,
+            record=None,
         )
 
 
@@ -241,6 +247,9 @@ class MCMemory:
         # loglinear on gated linear attention: a chunked masked quadratic form per span instead
         # of one _log_advance + _piece per token. False selects the per-token loop (its twin).
         self.loglinear_fast = cfg.log_segmented and isinstance(family, LinearMemory)
+        # constant segments on the gated linear memory: a span crossing any number of segment
+        # boundaries is one pass (kernels.mc_chunk). False selects the per-piece loop (its twin).
+        self.chunked = cfg.caches_blocks and type(family) is LinearMemory
 
     def init_state(self, batch: int, heads: int, k_dim: int, v_dim: int, *, dtype: torch.dtype,
                    device: torch.device | str, init: dict[str, Tensor] | None = None
@@ -274,6 +283,8 @@ class MCMemory:
             return y, st
         if self.loglinear_fast and T >= _LOG_FAST_MIN:
             return self.forward_loglinear_linear(state, q, k, v, u, gates)
+        if self.chunked and T > 1:
+            return self._forward_chunk(st, q, k, v, u, gates, init)
         ys, t0 = [], 0
         while t0 < T:
             if self.cfg.log_segmented:
@@ -287,7 +298,39 @@ class MCMemory:
             ys.append(self._piece(st, q[:, sl], k[:, sl], v[:, sl], u[:, sl],
                                   {g: x[:, sl] for g, x in gates.items()}))
             t0 += n
+        if st.record is not None and st.seg_len == self.cfg.segment_len:
+            self.push(st, init)
         y = torch.cat(ys, dim=1) if ys else v.new_zeros(v.shape)
+        return y, st
+
+    def _forward_chunk(self, st: MCLayerState, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
+                       gates: dict[str, Tensor], init: dict[str, Tensor] | None
+                       ) -> tuple[Tensor, MCLayerState]:
+        """``forward`` of the gated linear memory under constant segmentation: the whole span
+        in one pass (``kernels.mc_chunk``), however many segments it crosses; then the state is
+        advanced through the span's boundaries exactly as the per-piece loop leaves it."""
+        C, T = self.cfg.segment_len, q.shape[1]
+        if st.seg_len == C:
+            self.push(st, init)
+        f0, pos0, ksum0 = st.seg_len, st.pos, st.seg_ksum
+        y, S, bs, bk = mc_linear_chunk(
+            q, k, v, u, gates.get("log_a"), gates.get("b"), initial_state=st.mem["S"],
+            initial_ksum=ksum0, initial_fill=f0, cached=st.cached["S"],
+            cached_ksum=st.cached_ksum, n_segments=st.n_segments, mc=self.cfg, top_k=st.top_k)
+        n_b, fill = bs.shape[1], (f0 + T) % C
+        # a segment completed by the last token stays online (pushed by the next span), unless
+        # the caller records checkpoints
+        n_push = n_b - 1 if n_b and not fill and st.record is None else n_b
+        for i in range(n_push):
+            st.mem, st.seg_ksum, st.seg_len = {"S": bs[:, i]}, bk[:, i], C
+            st.pos = pos0 + (i + 1) * C - f0
+            self.push(st, init)
+        st.pos = pos0 + T
+        if n_push < n_b:
+            st.mem, st.seg_ksum, st.seg_len = {"S": bs[:, -1]}, bk[:, -1], C
+        elif fill:
+            st.mem, st.seg_len = {"S": S}, fill
+            st.seg_ksum = k[:, T - fill:].sum(1) if n_b else ksum0 + k.sum(1)
         return y, st
 
     # ------------------------------------------------------------------ ragged decode
@@ -473,12 +516,21 @@ class MCMemory:
 
     # ------------------------------------------------------------------ segments
     def push(self, st: MCLayerState, init: dict[str, Tensor] | None) -> None:
-        """The online segment is complete: cache its memory, start a new segment."""
+        """The online segment is complete: cache its memory, start a new segment.
+
+        With ``st.record`` a list, appends the checkpoint as the engine's pool block needs it:
+        ``mem`` (the whole online memory, to resume from), ``ksum``, ``pos`` (where the segment
+        ends) and, for collapsed variants, ``csum`` (the running sum including this one)."""
         block = {key: st.mem[key] for key in self.family.readout_keys}
         if self.collapsed and st.num_cached:
             st.cached = {key: st.cached[key] + block[key][:, None] for key in block}
         else:
             st.append(block, st.seg_ksum, st.seg_len, st.pos)
+        if st.record is not None:
+            st.record.append({
+                "mem": dict(st.mem), "ksum": st.seg_ksum, "pos": st.pos,
+                "csum": ({key: st.cached[key][:, 0] for key in block} if self.collapsed
+                         else None)})
         st.n_segments += 1
         st.seg_ksum = torch.zeros_like(st.seg_ksum)
         st.seg_len = 0

@@ -56,6 +56,18 @@ class ModelState:
         ])
 
 
+def fill_conv_tails(record: list[dict], conv_input: Tensor | None, pos0: int,
+                    conv_size: int) -> None:
+    """Give each checkpoint recorded in a span (``MCLayerState.record``) its conv tail: the last
+    ``conv_size - 1`` conv inputs up to its position. ``conv_input`` ``(B, w - 1 + T, C)`` is the
+    span's input with the previous tail in front, for a span starting at ``pos0``; None (no
+    conv) leaves the records without one."""
+    for r in record:
+        if "conv" not in r:
+            off = r["pos"] - pos0
+            r["conv"] = None if conv_input is None else conv_input[:, off:off + conv_size - 1]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -164,8 +176,10 @@ class MCMixer(nn.Module):
             out["eta"] = out["eta"] * (1.0 - out["m"]) / (4 * self.cfg.inner_chunk)
         return out
 
-    def _project(self, x: Tensor, conv_tail: Tensor | None):
-        """x ``(B, T, D)`` → q, k, v, u ``(B, T, H, K)``, gates, and the new conv tail."""
+    def _project(self, x: Tensor, conv_tail: Tensor | None, keep_conv_input: bool = False):
+        """x ``(B, T, D)`` → q, k, v, u ``(B, T, H, K)``, gates, and the new conv tail; with
+        ``keep_conv_input`` also the conv's input ``(B, w - 1 + T, 3HK)`` (None without a conv),
+        from which ``fill_conv_tails`` cuts the tail at each recorded checkpoint."""
         B, T, _ = x.shape
         H, K = self.H, self.K
         qkv = self.qkv(x)  # (B, T, 3HK)
@@ -183,6 +197,8 @@ class MCMixer(nn.Module):
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)
         u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
+        if keep_conv_input:
+            return q, k, v, u, self.gates(x), conv_tail, full if self.conv is not None else None
         return q, k, v, u, self.gates(x), conv_tail
 
     def _decode_weights(self) -> tuple[Tensor, Tensor | None]:
@@ -237,8 +253,11 @@ class MCMixer(nn.Module):
         return self.o_proj(y)
 
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        q, k, v, u, gates, conv = self._project(x, state.conv)
+        record = state.mc.record
+        q, k, v, u, gates, conv, *conv_input = self._project(x, state.conv, record is not None)
         y, mc = self.memory.forward(state.mc, q, k, v, u, gates, init=self.init_memory())
+        if record is not None:
+            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
         return self._output(x, y), LayerState(mc, conv)
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
