@@ -241,8 +241,7 @@ def build_app(
     @_answered
     async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:
         st.check_model(body.model)
-        st.check_token_ids(body.tokens, "tokens")
-        return P.DetokenizeResponse(prompt=tok.decode(body.tokens))
+        return P.DetokenizeResponse(prompt=await st.encoder.decode(body.tokens, st.vocab_size))
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

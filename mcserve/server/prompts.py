@@ -9,8 +9,9 @@ it freezes every other request, ``/health`` included. So ``PromptEncoder``:
 * refuses, from its UTF-8 length alone, a prompt that is certainly longer than the context, when
   the tokenizer bounds the bytes one token covers (``max_bytes_per_token``; only where that bound
   is exact);
-* tokenizes long texts on a worker thread through ``encode_batch``, which releases the GIL, with
-  at most ``max_concurrent`` of them at a time, so that one client cannot take every core.
+* tokenizes long texts (and detokenizes long id lists) on a worker thread through
+  ``encode_batch`` (``decode_batch``), which release the GIL, with at most ``max_concurrent`` of
+  them at a time, so that one client cannot take every core.
 """
 
 from __future__ import annotations
@@ -87,14 +88,18 @@ def max_bytes_per_token(tok: Any) -> int | None:
 
 
 class _BatchBackend:
-    """A ``tokenizers.Tokenizer`` whose ``encode`` goes through ``encode_batch`` (which releases
-    the GIL, where ``encode`` does not); everything else is the wrapped backend's."""
+    """A ``tokenizers.Tokenizer`` whose ``encode`` and ``decode`` go through ``encode_batch`` and
+    ``decode_batch`` (which release the GIL, where the single calls do not); everything else is
+    the wrapped backend's."""
 
     def __init__(self, backend: Any):
         self._backend = backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> Any:
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
@@ -151,3 +156,19 @@ class PromptEncoder:
             raise APIError(400, f"the prompt is {len(ids)} tokens, longer than max_model_len="
                            f"{L} minus one generated token", param=param)
         return list(ids)
+
+    async def decode(self, ids: list[int], vocab_size: int, param: str = "tokens") -> str:
+        """The text of ``ids`` (special tokens skipped); a 400 naming ``param`` for an id out of
+        the vocabulary."""
+
+        def run() -> str:
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"{param}: token id {bad} is out of range [0, {vocab_size})",
+                               param=param)
+            return self._threaded.decode(ids)
+
+        if len(ids) <= INLINE_CHARS:
+            return run()
+        async with self._semaphore():
+            return await asyncio.to_thread(run)

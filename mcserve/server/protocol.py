@@ -13,7 +13,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    Tag,
+    field_validator,
+)
 
 MAX_N = 128  # completions per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling.MAX_LOGPROBS)
@@ -23,6 +34,9 @@ DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when absent or null (OpenAI's
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
+# a list of token ids stops at its first bad item: a body can hold a million of them, and one
+# error each would cost the event loop seconds
+TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
 Number = StrictInt | StrictFloat
 McValue = StrictInt | StrictFloat | StrictBool | StrictStr
 
@@ -64,7 +78,7 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = Field(None, ge=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: TokenIds | None = None
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
@@ -84,7 +98,27 @@ class SamplingFields(OpenAIModel):
     )
 
 
-PromptType = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+def _prompt_kind(value: Any) -> str | None:
+    """Which form of prompt ``value`` is, from its first item: each form is then validated
+    alone (a plain union would validate a long list once per form, errors and all)."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        if not value or isinstance(value[0], str):
+            return "texts"
+        return "id_lists" if isinstance(value[0], list) else "ids"
+    return None
+
+
+PromptType = Annotated[
+    Annotated[StrictStr, Tag("text")]
+    | Annotated[list[StrictStr], Field(fail_fast=True), Tag("texts")]
+    | Annotated[TokenIds, Tag("ids")]
+    | Annotated[list[TokenIds], Field(fail_fast=True), Tag("id_lists")],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="Input should be a string, a list of strings, a list of "
+                  "token ids or a list of token-id lists"),
+]
 
 
 class CompletionRequest(SamplingFields):
@@ -99,6 +133,15 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
     suffix: StrictStr | None = Field(None, description="Not supported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, value: Any) -> Any:
+        # before the items are validated: a body of 400000 one-token prompts is refused at once
+        if isinstance(value, list) and value and not isinstance(value[0], int) \
+                and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        return value
 
 
 class TextPart(BaseModel):
@@ -119,7 +162,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -137,7 +180,7 @@ class TokenizeRequest(OpenAIModel):
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(fail_fast=True)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
@@ -146,7 +189,7 @@ class DetokenizeRequest(OpenAIModel):
     """POST /detokenize."""
 
     model: StrictStr | None = None
-    tokens: list[TokenId]
+    tokens: TokenIds
 
 
 # --- responses -----------------------------------------------------------------------------------

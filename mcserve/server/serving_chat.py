@@ -28,6 +28,16 @@ from mcserve.server.streaming import (
     usage,
 )
 
+# conversations up to this many messages (and INLINE_CHARS characters) render inline
+_INLINE_MESSAGES = 64
+
+
+def _chars(m: P.ChatMessage) -> int:
+    content = m.content
+    if isinstance(content, list):
+        return sum(len(part.text) for part in content)
+    return len(content or "")
+
 
 def _messages(msgs: list[P.ChatMessage]) -> list[dict[str, Any]]:
     out = []
@@ -46,20 +56,22 @@ async def chat_prompt(st: ServerState, msgs: list[P.ChatMessage],
                       add_generation_prompt: bool) -> str:
     """The prompt text of ``msgs`` through the tokenizer's chat template (rendered on a worker
     thread when the messages are long, so that the event loop goes on meanwhile)."""
-    messages = _messages(msgs)
-    for i, m in enumerate(messages):
-        for key in ("content", "name"):
-            if key in m:
-                check_utf8(m[key], "messages", what=f"messages[{i}].{key}")
-    def render() -> str:
-        return st.tokenizer.apply_chat_template(messages,
-                                                add_generation_prompt=add_generation_prompt)
 
-    size = sum(len(m["content"]) for m in messages)
-    try:
-        return render() if size <= INLINE_CHARS else await asyncio.to_thread(render)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    def render() -> str:
+        messages = _messages(msgs)
+        for i, m in enumerate(messages):
+            for key in ("content", "name"):
+                if key in m:
+                    check_utf8(m[key], "messages", what=f"messages[{i}].{key}")
+        try:
+            return st.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    if len(msgs) <= _INLINE_MESSAGES and sum(_chars(m) for m in msgs) <= INLINE_CHARS:
+        return render()
+    return await asyncio.to_thread(render)
 
 
 def _chat_logprobs(st: ServerState, ids: list[int], dicts: list[dict[int, Logprob]] | None,
