@@ -1,7 +1,9 @@
 """ModelRunner: turns the scheduler's decision into tensors and runs the model.
 
-* Prefill chunks run one sequence at a time through the model's parallel form, cut at segment
-  boundaries; each completed segment is written into its pool block the moment it completes.
+* A prefill chunk (any number of segments) is ONE model call: the model records the checkpoint of
+  every segment boundary the chunk crosses (``MCLayerState.record``), and the runner scatters
+  them into their pool blocks in one write per pool tensor. Sequences at the same phase with
+  chunks of the same length run as one batch.
 * Decodes run as one ragged batch (``MCForCausalLM.forward_paged``): rows at different
   positions, with different numbers of cached segments, read their blocks from the pool through
   a padded block table. No Python loop over sequences.
