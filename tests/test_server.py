@@ -984,3 +984,197 @@ def test_overflowing_model_answers_a_clear_500_and_stays_up() -> None:
         assert events[-1] == "[DONE]" and "not finite" in events[-2]["error"]["message"]
         assert client.get("/health").status_code == 200
         assert engine.cache.is_whole()
+
+
+# --- client input that must never earn a 500 -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": ["\ud800"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}],
+                              "max_tokens": 2}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udbff"}]}], "max_tokens": 2}, "messages"),
+    ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+], ids=["prompt", "prompt list", "stop", "chat", "chat part", "tokenize"])
+def test_lone_surrogate_is_a_400(app_client: TestClient, path: str, body: dict[str, Any],
+                                 param: str) -> None:
+    """JSON allows a lone surrogate (``"\\ud800"``); no tokenizer can encode it."""
+    r = app_client.post(path, content=json.dumps(body),  # ASCII: the escape goes as is
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"]
+
+
+def test_top_p_that_underflows_is_served(app_client: TestClient) -> None:
+    """top_p=1e-300 is 0 in float32: the top token must stay, not every token be masked."""
+    for top_p in (1e-300, 5e-324, 1e-45):
+        out = post(app_client, "/v1/completions", {"prompt": "hi", "max_tokens": 3,
+                                                   "top_p": top_p, "ignore_eos": True})
+        assert out["usage"]["completion_tokens"] == 3
+    greedy = post(app_client, "/v1/completions", {"prompt": "hi", "max_tokens": 3,
+                                                  "temperature": 0})
+    tiny = post(app_client, "/v1/completions", {"prompt": "hi", "max_tokens": 3,
+                                                "top_p": 1e-300, "seed": 1})
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]  # only the top token
+
+
+def test_max_tokens_null_is_the_default_16(app_client: TestClient) -> None:
+    out = post(app_client, "/v1/completions", {"prompt": "hi", "max_tokens": None,
+                                               "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 16
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "f"}}])
+def test_tool_choice_without_tools_is_a_400(app_client: TestClient, choice: Any) -> None:
+    r = app_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tool_choice": choice})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    for ok in ("none", "auto", None):
+        r = app_client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tool_choice": ok})
+        assert r.status_code == 200, r.text
+
+
+def test_stop_token_ids_error_names_them(app_client: TestClient) -> None:
+    for ids in ([-1], [1, "x"]):
+        r = app_client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": ids})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "stop_token_ids" and err["message"].startswith("stop_token_ids")
+    r = app_client.post("/v1/completions", json={"prompt": "x", "stop": [1]})
+    assert r.json()["error"]["message"].startswith("stop:")
+
+
+def test_mc_top_k_on_a_model_that_reads_every_segment(app_client: TestClient) -> None:
+    """The tiny model's variant is grm: mc_top_k (ssc) has no meaning there, and the 400 says
+    so."""
+    r = app_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "mc_top_k": 4})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "mc_top_k"
+    assert "ssc" in err["message"] and "'grm'" in err["message"]
+
+
+def test_models_report_the_training_length(app_client: TestClient) -> None:
+    card = app_client.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert card["max_position_embeddings"] == TINY.max_position_embeddings
+
+
+def test_prompt_forms_are_validated_cheaply(fake: tuple[FakeEngine, TestClient]) -> None:
+    """A long list of prompts or ids is refused without one error per item."""
+    _, app_client = fake
+    cases = [
+        ({"prompt": [[1]] * 100_000}, "at most 256 prompts"),
+        ({"prompt": ["x"] * 100_000}, "at most 256 prompts"),
+        ({"prompt": [1, "x"] * 100_000}, "prompt"),
+        ({"prompt": {"a": 1}}, "prompt"),
+        ({"prompt": list(range(300))}, "longer than max_model_len"),
+    ]
+    for body, words in cases:
+        t0 = time.perf_counter()
+        r = app_client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert words in r.json()["error"]["message"]
+        assert len(r.content) < 2000  # one error, not 100000
+        assert time.perf_counter() - t0 < 5
+
+
+def test_prompt_encoder_matches_the_tokenizer() -> None:
+    """The tokenizer of the embedded default model: the GIL-free encode gives the same ids, and
+    the bytes-per-token bound it refuses long prompts by holds."""
+    from mcserve.engine.llm_engine import DEFAULT_MODEL_DIR
+    from mcserve.engine.tokenizer import load_tokenizer
+    from mcserve.server.prompts import PromptEncoder, max_bytes_per_token
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    bpt = max_bytes_per_token(tok)
+    assert bpt is not None and 1 < bpt < 256
+    assert max_bytes_per_token(Tokenizer.byte_level()) == 1
+    enc = PromptEncoder(tok, max_model_len=10**9)
+    text = "Memory caching: 12345 états\n<|endoftext|> " * 400  # > INLINE_CHARS: threaded
+    ids = asyncio.run(enc.encode(text, add_special_tokens=True, param="prompt"))
+    assert ids == tok.encode(text)
+    assert len(ids) * bpt >= len(text.encode())
+    short = PromptEncoder(tok, max_model_len=64)
+    with pytest.raises(Exception, match="bytes of UTF-8") as e:
+        asyncio.run(short.encode("x" * (64 * bpt), add_special_tokens=True, param="prompt"))
+    assert getattr(e.value, "status", None) == 400
+    assert asyncio.run(enc.decode(ids, tok.vocab_size)) == tok.decode(ids)
+
+
+def test_shutdown_answers_the_requests_it_aborts() -> None:
+    """Requests still running when the engine shuts down are told so: the consumer's next read
+    raises ``EngineShutdownError`` (a 503 or an SSE error event), never a mute end."""
+    from mcserve.engine.sampling import SamplingParams
+    from mcserve.server.async_engine import EngineShutdownError
+
+    engine = FakeEngine(step_delay=0.005)
+    aengine = AsyncEngine(engine)
+
+    async def main() -> None:
+        streams = [aengine.submit(f"r{i}", "long", SamplingParams(max_tokens=10**6))
+                   for i in range(3)]
+        for s in streams:
+            await s.wait_accepted()
+        await anext(streams[0])
+        aengine.stop_accepting()
+        assert aengine.abort_all("bye") == 3
+        for s in streams:
+            with pytest.raises(EngineShutdownError, match="bye"):
+                async for _ in s:
+                    pass
+        await aengine.shutdown()
+        assert not engine.requests and set(engine.aborted) == {"r0", "r1", "r2"}
+
+    asyncio.run(main())
+
+
+def test_drain_answers_streams_and_plain_requests() -> None:
+    """``drain`` (what SIGTERM runs): health 503 at once, requests past the grace period aborted
+    and answered (503 JSON, or an SSE error event then [DONE]), then nothing left in flight."""
+    engine = FakeEngine(max_model_len=10**6, step_delay=0.01)
+    app = build_app(engine, shutdown_grace_s=0.2)
+    results: dict[str, Any] = {}
+    with TestClient(app) as client:
+        def plain() -> None:
+            results["plain"] = client.post("/v1/completions",
+                                           json={"prompt": "p", "max_tokens": 10**5})
+
+        def stream(path: str, body: dict[str, Any]) -> None:
+            with client.stream("POST", path, json={**body, "max_tokens": 10**5,
+                                                   "stream": True}) as r:
+                results[path] = sse_events("".join(r.iter_text()))
+
+        threads = [threading.Thread(target=plain),
+                   threading.Thread(target=stream, args=("/v1/completions", {"prompt": "s"})),
+                   threading.Thread(target=stream, args=("/v1/chat/completions", {
+                       "messages": [{"role": "user", "content": "c"}]}))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while app.state.async_engine.num_in_flight < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        drain = threading.Thread(target=client.portal.call, args=(app.state.drain,))
+        drain.start()
+        time.sleep(0.05)
+        assert client.get("/health").status_code == 503
+        late = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert late.status_code == 503 and late.headers["retry-after"] == "5"
+        drain.join(10)
+        for t in threads:
+            t.join(10)
+        assert app.state.server.http_in_flight == 0
+    r = results["plain"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json()["error"]["type"] == "service_unavailable_error"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        events = results[path]
+        assert events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["error"]["code"] == "unavailable", events[-3:]
