@@ -492,3 +492,166 @@ def mc_deep(
             )  # [H, s, V]
             y[t] = torch.einsum("hs,hsv->hv", w, reads)
     return y
+
+
+# --------------------------------------------------------------------------------------
+# Delta-rule memories (delta, gated_delta)
+# --------------------------------------------------------------------------------------
+
+
+def delta_rule_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_alpha: Tensor | None = None,
+    initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The (gated) delta rule, one token at a time.
+
+    ``S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` with ``S`` ``[K, V]``
+    per head (keys on the rows), readout ``o_t = S_t^T q_t`` after token ``t``'s update.
+    ``log_alpha`` None is the plain delta rule (``alpha = 1``); ``beta`` None means ones.
+    No scaling or normalisation of q and k happens here.
+
+    Args:
+        q, k: ``(B, T, H, K)``; v: ``(B, T, H, V)``.
+        beta, log_alpha: ``(B, T, H)`` or None.
+        initial_state: ``(B, H, K, V)`` or None (zeros).
+
+    Returns:
+        ``o`` ``(B, T, H, V)`` and the state after the last token ``(B, H, K, V)``.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    S = (torch.zeros(B, H, K, V, dtype=q.dtype, device=q.device) if initial_state is None
+         else initial_state)
+    outs = []
+    for t in range(T):
+        kt, vt = k[:, t], v[:, t]  # (B, H, K), (B, H, V)
+        if log_alpha is not None:
+            S = S * log_alpha[:, t].exp()[..., None, None]
+        bt = torch.ones_like(kt[..., 0]) if beta is None else beta[:, t]  # (B, H)
+        # (I - b k k^T) S + b k v^T = S + k (b (v - S^T k))^T
+        err = vt - torch.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + kt[..., :, None] * (bt[..., None] * err)[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
+def _delta_states(
+    k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, reset_every: int | None
+) -> list[Tensor]:
+    """All states of the (gated) delta rule for one unbatched sequence.
+
+    ``states[n]`` ``[H, K, V]`` is the state after position ``n`` (``states[0]`` = 0); with
+    ``reset_every = C`` every segment restarts from zero (independent mode).
+    """
+    T, H, K = k.shape
+    state = torch.zeros(H, K, v.shape[-1], dtype=k.dtype, device=k.device)
+    states = [state]
+    for t in range(T):
+        if reset_every is not None and t % reset_every == 0:
+            state = torch.zeros_like(state)
+        la = None if log_alpha is None else log_alpha[None, t:t + 1]
+        _, state = delta_rule_recurrent(k[None, t:t + 1], k[None, t:t + 1], v[None, t:t + 1],
+                                        beta[None, t:t + 1], la, state[None])
+        state = state[0]
+        states.append(state)
+    return states
+
+
+def mc_delta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u: Tensor,
+    beta: Tensor | None = None,
+    log_alpha: Tensor | None = None,
+    *,
+    variant: str,
+    segment_len: int,
+    top_k: int = 2,
+    mode: str = "checkpoint",
+) -> Tensor:
+    """Memory Caching over the ``delta`` / ``gated_delta`` families, one unbatched sequence.
+
+    As :func:`mc_linear` with the memory ``S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} +
+    beta_t k_t v_t^T`` (``log_alpha`` None: ``alpha = 1``; ``beta`` None: ones). The readout
+    ``S^T q`` is linear in ``S``, so ``soup`` equals ``grm`` exactly as on ``linear``.
+
+    Args:
+        q, k, u: ``[T, H, K]``; v: ``[T, H, V]``; beta, log_alpha: ``[T, H]`` or None.
+
+    Returns:
+        ``y`` ``[T, H, V]``.
+    """
+    _check_common(variant, mode, segment_len, top_k)
+    T, H, K, V = _check_qkvu(q, k, v, u)
+    beta = _gate_or_ones("beta", beta, T, H, q)
+    if log_alpha is not None:
+        _check_tensor("log_alpha", log_alpha, (T, H), q.dtype)
+    independent = mode == "independent" and variant != "none"
+    states = _delta_states(k, v, beta, log_alpha, segment_len if independent else None)
+    y = torch.zeros(T, H, V, dtype=q.dtype, device=q.device)
+    for t in range(T):
+        segs = segments(t + 1, segment_len, variant)
+        mems = torch.stack([states[end] for _, end in segs], dim=1)  # [H, s, K, V]
+        if variant == "none":
+            y[t] = torch.einsum("hkv,hk->hv", mems[:, 0], q[t])
+            continue
+        w = _weights(variant, _scores(u[t], k, segs), top_k)  # [H, s]
+        if variant == "soup":
+            mixed = torch.einsum("hs,hskv->hkv", w, mems)
+            y[t] = torch.einsum("hkv,hk->hv", mixed, q[t])
+        else:
+            reads = torch.einsum("hskv,hk->hsv", mems, q[t])
+            y[t] = torch.einsum("hs,hsv->hv", w, reads)
+    return y
+
+
+__all__ += ["delta_rule_recurrent", "mc_delta"]
+
+
+# --------------------------------------------------------------------------------------
+# RWKV-7 (generalised delta rule), in the rwkv package's own layout
+# --------------------------------------------------------------------------------------
+
+
+def rwkv7_recurrent(
+    r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+    state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """RWKV-7's time-mixing recurrence on one unbatched sequence, token by token, head by head.
+
+    The state of a head is ``S`` ``[V, K]`` (values on the rows, as the rwkv package keeps it)::
+
+        S_t = S_{t-1} (diag(w_t) + a_t^T b_t) + v_t^T k_t,      y_t = S_t r_t
+
+    with row vectors ``a_t, b_t, k_t`` ``[1, K]``: ``w_t`` is the per-channel decay (in (0, 1)),
+    ``a_t`` the removal key (RWKV-7 passes ``-kk``) and ``b_t`` the write of what was removed
+    (``kk * a_rate``). mcserve's matrix memories store the transpose ``[K, V]``
+    (``mcserve.kernels.rwkv7``).
+
+    Args:
+        r, w, k, a, b: ``[T, H, K]`` receptance (the query), decay, key, removal key and rate.
+        v: ``[T, H, V]`` values.
+        state: ``[H, V, K]`` initial state, or None for zeros.
+
+    Returns:
+        ``y`` ``[T, H, V]`` and the final state ``[H, V, K]``.
+    """
+    T, H, K = r.shape
+    V = v.shape[-1]
+    S = torch.zeros(H, V, K, dtype=r.dtype, device=r.device) if state is None else state.clone()
+    y = torch.zeros(T, H, V, dtype=r.dtype, device=r.device)
+    for t in range(T):
+        for h in range(H):
+            transition = torch.diag(w[t, h]) + torch.outer(a[t, h], b[t, h])  # [K, K]
+            S[h] = S[h] @ transition + torch.outer(v[t, h], k[t, h])
+            y[t, h] = S[h] @ r[t, h]
+    return y, S
+
+
+__all__ += ["rwkv7_recurrent"]
