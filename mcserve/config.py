@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,6 +229,9 @@ class EngineConfig:
     mc_mode: str | None = None
     segment_len: int | None = None
     mc_top_k: int | None = None
+    # Mamba2 only: per-layer scale of the discretisation step, Δ' = s_l·Δ (a number for every
+    # layer, or one per layer); None keeps the model as trained
+    delta_scale: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -249,9 +253,19 @@ class EngineConfig:
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 1):
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if self.delta_scale is not None:
+            ds = self.delta_scale
+            vals = list(ds) if isinstance(ds, (list, tuple)) else [ds]
+            if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                               or not math.isfinite(v) or v <= 0 for v in vals):
+                raise ValueError(f"delta_scale must be a number > 0 or a non-empty list of "
+                                 f"numbers > 0, got {ds!r}")
+            if isinstance(ds, list):
+                object.__setattr__(self, "delta_scale", tuple(float(v) for v in ds))
 
     def mc_overrides(self) -> dict[str, Any]:
-        names = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
+        """The overrides ``load_model`` applies (MC settings and, when set, ``delta_scale``)."""
+        names = ("mc_variant", "mc_mode", "segment_len", "mc_top_k", "delta_scale")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -1,9 +1,9 @@
-"""``mcserve eval ppl`` and ``mcserve eval passkey``.
+"""``mcserve eval ppl``, ``mcserve eval passkey`` and ``mcserve eval calibrate-delta``.
 
 Hook into the main CLI with ``add_eval_parser(subparsers)``; each subcommand sets
-``func=cmd_eval_ppl`` / ``cmd_eval_passkey`` (``args -> exit status``). Errors raise
-``mcserve.cli_args.CLIError`` (one line on stderr, status 2). ``python -m mcserve.eval`` runs
-the same commands without the rest of the CLI.
+``func=cmd_eval_ppl`` / ``cmd_eval_passkey`` / ``cmd_eval_calibrate`` (``args -> exit status``).
+Errors raise ``mcserve.cli_args.CLIError`` (one line on stderr, status 2).
+``python -m mcserve.eval`` runs the same commands without the rest of the CLI.
 """
 
 from __future__ import annotations
@@ -24,6 +24,15 @@ DEFAULT_LENGTHS = "512,1024,2048,4096"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
 
+def _delta_scale_arg(text: str):
+    from mcserve.models.mamba2 import parse_delta_scale
+
+    try:
+        return parse_delta_scale(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="checkpoint directory: mcserve, transformers Mamba2 or mamba_ssm Mamba2")
@@ -37,6 +46,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR",
                    help="directory with tokenizer.json (default: MODEL's own tokenizer.json, "
                    "else UTF-8 bytes as token ids)")
+    p.add_argument("--delta-scale", type=_delta_scale_arg, metavar="S",
+                   help="Mamba2 only: run every setting with delta' = s*delta: one number, one "
+                   "per layer (comma-separated) or a JSON file (calibrate-delta's output) "
+                   "(default: 1, the model as trained)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
                    help="weights and activations (default: %(default)s)")
     p.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
@@ -94,6 +107,31 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     pk.add_argument("--reset", action="store_true",
                     help="also run the segment-reset baseline for each MC segment length")
     pk.set_defaults(func=cmd_eval_passkey)
+
+    cal = sub.add_parser(
+        "calibrate-delta", help="pick per-layer Mamba2 delta scales for a longer context",
+        description="Training-free context extension in MambaExtend's manner: search per-layer "
+        "scales s of Mamba2's discretisation step (delta' = s*delta) on held-out data at the "
+        "target length, first one shared scale over --grid, then layer by layer; no gradient "
+        "steps. Writes a JSON file that --delta-scale (eval, serve) reads.")
+    _common(cal)
+    cal.set_defaults(mc="")
+    cal.add_argument("--data", required=True, metavar="FILE",
+                     help="held-out calibration data: .txt, .jsonl of texts, or .bin of uint16 "
+                     "token ids (keep it apart from the evaluation data)")
+    cal.add_argument("--length", type=positive_int, required=True, metavar="TOKENS",
+                     help="target context length")
+    cal.add_argument("--windows", type=positive_int, default=2, metavar="N",
+                     help="windows of --length tokens (default: %(default)s)")
+    cal.add_argument("--grid", default="0.25,0.35,0.5,0.7,1,1.4,2,2.8,4", metavar="LIST",
+                     help="comma-separated candidate scales (default: %(default)s)")
+    cal.add_argument("--passes", type=positive_int, default=1, metavar="N",
+                     help="layer-by-layer sweeps after the shared scale (default: %(default)s)")
+    cal.add_argument("--shared", action="store_true",
+                     help="one scale for all layers only (no per-layer search)")
+    cal.add_argument("--out", metavar="FILE",
+                     help="write {'delta_scale': [...], ...} here (for --delta-scale FILE)")
+    cal.set_defaults(func=cmd_eval_calibrate)
     return ev
 
 
@@ -103,8 +141,10 @@ def _prepare(args: argparse.Namespace) -> tuple:
     check_device(args.device)
     try:
         model, tok = load(args.model, dtype=args.dtype, device=args.device,
-                          tokenizer=args.tokenizer)
-        with_reset = not args.no_reset if hasattr(args, "no_reset") else args.reset
+                          tokenizer=args.tokenizer,
+                          delta_scale=getattr(args, "delta_scale", None))
+        with_reset = (not args.no_reset if hasattr(args, "no_reset")
+                      else getattr(args, "reset", False))
         settings = parse_settings(args.mc, default_segment_len(model), with_reset=with_reset)
     except (ValueError, OSError) as e:
         raise CLIError(first_line(e)) from None
@@ -126,16 +166,21 @@ def _finish(args, report, format_table, plot) -> int:
     return 0
 
 
+def _read_ids(path: str, model, tok) -> list[int]:
+    from mcserve.eval.ppl import read_texts, read_token_file, tokenize_texts
+
+    if str(path).endswith(".bin"):
+        ids = read_token_file(path)
+        if ids and max(ids) >= model.config.vocab_size:
+            raise ValueError(f"{path} holds token id {max(ids)} but the model's "
+                             f"vocab_size is {model.config.vocab_size}")
+        return ids
+    return tokenize_texts(read_texts(path), tok, model.config.vocab_size)
+
+
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from mcserve.eval.common import parse_int_list
-    from mcserve.eval.ppl import (
-        evaluate_ppl,
-        format_table,
-        plot,
-        read_texts,
-        read_token_file,
-        tokenize_texts,
-    )
+    from mcserve.eval.ppl import evaluate_ppl, format_table, plot
 
     try:
         lengths = parse_int_list(args.lengths, "--lengths")
@@ -145,21 +190,20 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise CLIError(first_line(e)) from None
     model, tok, settings = _prepare(args)
     try:
-        if str(args.data).endswith(".bin"):
-            ids = read_token_file(args.data)
-            if ids and max(ids) >= model.config.vocab_size:
-                raise ValueError(f"{args.data} holds token id {max(ids)} but the model's "
-                                 f"vocab_size is {model.config.vocab_size}")
-        else:
-            ids = tokenize_texts(read_texts(args.data), tok, model.config.vocab_size)
+        ids = _read_ids(args.data, model, tok)
         report = evaluate_ppl(model, ids, lengths, settings, max_windows=args.max_windows,
                               batch_size=args.batch_size, chunk=args.chunk, buckets=buckets,
                               show_progress=not args.no_progress)
     except ValueError as e:
         raise CLIError(first_line(e)) from None
     report.update(model=str(args.model), data=str(args.data), dtype=args.dtype,
-                  device=args.device)
+                  device=args.device, delta_scale=_ds(args))
     return _finish(args, report, format_table, plot)
+
+
+def _ds(args: argparse.Namespace):
+    ds = getattr(args, "delta_scale", None)
+    return list(ds) if isinstance(ds, tuple) else ds
 
 
 def cmd_eval_passkey(args: argparse.Namespace) -> int:
@@ -178,12 +222,43 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
                                   show_progress=not args.no_progress)
     except ValueError as e:
         raise CLIError(first_line(e)) from None
-    report.update(model=str(args.model), dtype=args.dtype, device=args.device)
+    report.update(model=str(args.model), dtype=args.dtype, device=args.device,
+                  delta_scale=_ds(args))
     return _finish(args, report, format_table, plot)
 
 
+def cmd_eval_calibrate(args: argparse.Namespace) -> int:
+    from mcserve.eval.calibrate import calibrate_delta, format_result
+    from mcserve.eval.common import parse_float_list, write_json
+
+    try:
+        grid = tuple(parse_float_list(args.grid, "--grid", lo=1e-6, hi=1e6))
+    except ValueError as e:
+        raise CLIError(first_line(e)) from None
+    model, tok, settings = _prepare(args)
+    mc = [s for s in settings if s.kind != "as-is"]
+    if len(mc) > 1:
+        raise CLIError("calibrate-delta takes at most one --mc setting (the scales are "
+                       "calibrated for it)")
+    try:
+        ids = _read_ids(args.data, model, tok)
+        res = calibrate_delta(model, ids, args.length, setting=mc[0] if mc else None, grid=grid,
+                              windows=args.windows, passes=args.passes, shared_only=args.shared,
+                              chunk=args.chunk, batch_size=args.batch_size,
+                              show_progress=not args.no_progress)
+    except ValueError as e:
+        raise CLIError(first_line(e)) from None
+    res.update(model=str(args.model), data=str(args.data), base_delta_scale=_ds(args))
+    print(format_result(res), file=sys.stdout if args.json != "-" else sys.stderr)
+    if args.out:
+        write_json(args.out, res)
+    if args.json:
+        write_json(args.json, res)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mcserve.eval ppl|passkey ...`` (the same as ``mcserve eval ...``)."""
+    """``python -m mcserve.eval ppl|passkey|calibrate-delta ...`` (as ``mcserve eval ...``)."""
     parser = argparse.ArgumentParser(prog="mcserve")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_eval_parser(sub)

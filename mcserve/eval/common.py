@@ -149,13 +149,16 @@ def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> 
 
 # ---------------------------------------------------------------------------- models
 def load(path: str | Path, *, dtype: str = "float32", device: str = "cpu",
-         tokenizer: str | Path | None = None) -> tuple[nn.Module, Any]:
+         tokenizer: str | Path | None = None, delta_scale: Any = None
+         ) -> tuple[nn.Module, Any]:
     """(model, tokenizer) from a checkpoint directory of any supported format; the tokenizer is
-    ``mcserve.engine.tokenizer.load_tokenizer(path, tokenizer)``."""
+    ``mcserve.engine.tokenizer.load_tokenizer(path, tokenizer)``. ``delta_scale``: Mamba2's
+    Δ scaling (``Mamba2Config.delta_scale``), None for the model as trained."""
     from mcserve.engine.tokenizer import load_tokenizer
     from mcserve.models.registry import load_model
 
-    model = load_model(path, dtype=dtype, device=device)
+    overrides = {"delta_scale": delta_scale} if delta_scale is not None else None
+    model = load_model(path, dtype=dtype, device=device, mc_overrides=overrides)
     return model, load_tokenizer(path, tokenizer)
 
 

@@ -17,6 +17,10 @@ checkpoint's MC settings (``mc_variant`` etc. in :class:`Mamba2Config`); the gat
 u_t = q_t = C_t (``share_uq``), so no weights are added. ``mc_variant="none"`` is the model as
 trained, and equals transformers' ``Mamba2ForCausalLM`` to float rounding.
 
+Δ scaling (``delta_scale``, training-free context extension in the manner of MambaExtend): layer l
+runs with Δ' = s_l·Δ in both the decay exp(Δ'·A) and the input weight Δ', i.e. a longer or
+shorter discretisation step. ``None`` (or all ones) is the model as trained.
+
 The model class exposes the interface of ``MCForCausalLM`` that the engine uses: ``.config``,
 ``init_state``, ``forward(ids, state)``, ``forward_paged(ids, layers)``, ``layers[i].mixer``
 (``.memory``, ``.init_memory()``, ``.init_state(batch, dtype, device)``), ``.dtype``,
@@ -86,6 +90,8 @@ class Mamba2Config:
     mc_top_k: int = 2
     memory: str = "linear"
     share_uq: bool = True
+    # per-layer Δ scale s_l (Δ' = s_l·Δ); a number or a 1-element list applies to every layer
+    delta_scale: tuple[float, ...] | None = None
     model_type: str = "mamba2"
 
     def __post_init__(self) -> None:
@@ -108,6 +114,8 @@ class Mamba2Config:
             raise ValueError(f"time_step_limit must be (lo, hi) with 0 <= lo < hi, got "
                              f"{self.time_step_limit!r}")
         object.__setattr__(self, "time_step_limit", (float(lo), float(hi)))
+        object.__setattr__(self, "delta_scale", normalize_delta_scale(self.delta_scale,
+                                                                      self.n_layers))
         validate_mc(self.mc_variant, self.mc_mode, self.segment_len, self.mc_top_k)
 
     @property
@@ -126,6 +134,8 @@ class Mamba2Config:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["time_step_limit"] = list(self.time_step_limit)
+        if self.delta_scale is not None:
+            d["delta_scale"] = list(self.delta_scale)
         return d
 
     @classmethod
@@ -141,6 +151,61 @@ class Mamba2Config:
 
     def replace(self, **changes: Any) -> Mamba2Config:
         return dataclasses.replace(self, **changes)
+
+
+def normalize_delta_scale(value: Any, n_layers: int) -> tuple[float, ...] | None:
+    """``delta_scale`` as one positive float per layer, or None for the model as trained.
+
+    Accepts None, a number (every layer), or a sequence of 1 or ``n_layers`` numbers."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        vals = [value]
+    elif isinstance(value, (list, tuple)):
+        vals = list(value)
+    else:
+        raise ValueError(f"delta_scale must be a number or a list of numbers, got {value!r}")
+    if len(vals) == 1:
+        vals = vals * n_layers
+    if len(vals) != n_layers:
+        raise ValueError(f"delta_scale needs 1 or n_layers ({n_layers}) values, got {len(vals)}")
+    out = []
+    for v in vals:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v <= 0:
+            raise ValueError(f"delta_scale values must be finite numbers > 0, got {v!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
+def parse_delta_scale(text: str) -> float | tuple[float, ...]:
+    """A ``--delta-scale`` value: ``1.5`` (every layer), ``1.2,1,0.8`` (one per layer), or the
+    path of a JSON file holding a number, a list, or an object with a ``delta_scale`` field (as
+    ``mcserve eval calibrate-delta`` writes)."""
+    text = text.strip()
+    path = Path(text)
+    if text.lower().endswith(".json") or path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"delta_scale file {text}: {e}") from None
+        if isinstance(data, dict):
+            if "delta_scale" not in data:
+                raise ValueError(f"delta_scale file {text}: no 'delta_scale' field")
+            data = data["delta_scale"]
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        normalize_delta_scale(data, len(data) if isinstance(data, list) and data else 1)
+        return tuple(float(x) for x in data) if isinstance(data, list) else float(data)
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"delta_scale must be a number, a comma-separated list of numbers or "
+                         f"a JSON file, got {text!r}") from None
+    if not vals:
+        raise ValueError("delta_scale is empty")
+    normalize_delta_scale(vals, len(vals))
+    return vals[0] if len(vals) == 1 else tuple(vals)
 
 
 def _up(x: Tensor) -> Tensor:
@@ -200,6 +265,7 @@ class Mamba2Mixer(nn.Module):
         self.cfg = cfg
         self.layer_idx = layer_idx
         self.H, self.P, self.N, self.G = cfg.n_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+        self.delta_scale = cfg.delta_scale[layer_idx] if cfg.delta_scale else 1.0
         d_inner, conv_dim = cfg.d_inner, cfg.conv_dim
         self.in_proj = nn.Linear(cfg.d_model, d_inner + conv_dim + self.H, bias=cfg.use_bias)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_size, groups=conv_dim,
@@ -265,6 +331,8 @@ class Mamba2Mixer(nn.Module):
         lo, hi = cfg.time_step_limit
         if lo > 0 or hi != math.inf:
             delta = delta.clamp(lo, hi)
+        if self.delta_scale != 1.0:  # the discretisation step, in decay and input weight alike
+            delta = delta * self.delta_scale
         A = -torch.exp(_up(self.A_log))  # (H,)
         gates = {"log_a": (delta * A).to(xs.dtype), "b": delta.to(xs.dtype)}
         if keep_conv_input:
@@ -326,7 +394,8 @@ class Mamba2Block(nn.Module):
         in place. ``None`` otherwise: the Python path, its twin."""
         m = self.mixer
         S = pl.mem.get("S")
-        if (m.memory.cfg.segmented or not pl.inplace or torch.is_grad_enabled()
+        if (m.memory.cfg.segmented or m.delta_scale != 1.0 or not pl.inplace
+                or torch.is_grad_enabled()
                 or not x.is_cpu or x.dtype != torch.float32 or x.shape[1] != 1
                 or S is None or S.dtype != torch.float32 or S.stride(-1) != 1
                 or S.stride(-2) != S.shape[-1] or pl.conv is None or pl.conv.stride(-1) != 1
@@ -374,6 +443,10 @@ class Mamba2MCForCausalLM(RecurrentLM):
         new = Mamba2MCForCausalLM(self.config.replace(**mc))
         new.load_state_dict(self.state_dict())
         return new.to(device=self.device, dtype=self.dtype).eval()
+
+    def with_delta_scale(self, delta_scale: Any) -> Mamba2MCForCausalLM:
+        """The same weights with Δ' = s_l·Δ (``delta_scale``: see ``normalize_delta_scale``)."""
+        return self.with_mc(delta_scale=delta_scale)
 
     # ------------------------------------------------------------------ export
     def hf_state_dict(self) -> dict[str, Tensor]:

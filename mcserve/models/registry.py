@@ -191,13 +191,22 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
 
     ``dtype`` is a torch dtype or one of ``"float32"``, ``"float64"``, ``"bfloat16"``;
     None keeps float32. ``mc_overrides`` holds any of ``mc_variant``, ``mc_mode``,
-    ``segment_len``, ``mc_top_k`` (None values are ignored).
+    ``segment_len``, ``mc_top_k`` (None values are ignored), and ``delta_scale`` (Mamba2 only).
     """
     path = Path(path)
     model_type, layout = detect_format(path)
     cfg = read_config(path)
     model = _REGISTRY[model_type].load(path, cfg, layout)
+    # ``delta_scale`` (Mamba2's Δ scaling) rides with the overrides (EngineConfig.mc_overrides)
+    # but is not an MC setting: applied after them, on models that have it
+    mc_overrides = dict(mc_overrides or {})
+    delta_scale = mc_overrides.pop("delta_scale", None)
     model = apply_mc(model, mc_overrides)
+    if delta_scale is not None:
+        if not hasattr(model, "with_delta_scale"):
+            raise ValueError(f"delta_scale applies to Mamba2 checkpoints, not model_type "
+                             f"{model_type!r}")
+        model = model.with_delta_scale(delta_scale)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

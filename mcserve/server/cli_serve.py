@@ -69,8 +69,20 @@ _ENGINE_HELP = {
     "mc_mode": ("Memory Caching mode", "the checkpoint's config.json"),
     "segment_len": ("Memory Caching segment length in tokens", "the checkpoint's config.json"),
     "mc_top_k": ("cached segments ssc reads per token", "the checkpoint's config.json"),
+    "delta_scale": ("Mamba2 only: scale of the discretisation step, delta' = s*delta; one "
+                    "number, one per layer (comma-separated) or a JSON file such as mcserve "
+                    "eval calibrate-delta writes", "1, the model as trained"),
 }
-_METAVARS = {"tokenizer": "DIR", "dtype": "DTYPE", "device": "DEVICE"}
+_METAVARS = {"tokenizer": "DIR", "dtype": "DTYPE", "device": "DEVICE", "delta_scale": "S"}
+
+
+def _delta_scale_arg(text: str) -> Any:
+    from mcserve.models.mamba2 import parse_delta_scale
+
+    try:
+        return parse_delta_scale(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _engine_choices() -> dict[str, tuple[str, ...]]:
@@ -120,6 +132,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             typ = int
         elif ann.startswith("float"):
             typ = float
+        if f.name == "delta_scale":  # a number, a comma list or a JSON file
+            typ = _delta_scale_arg
         group.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
                            choices=choices.get(f.name), help=help_text,
                            metavar=None if f.name in choices else _METAVARS.get(
