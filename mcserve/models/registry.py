@@ -167,8 +167,8 @@ def apply_mc(model: nn.Module, overrides: dict[str, Any] | None) -> nn.Module:
         return model
     from mcserve.models.mamba2 import Mamba2MCForCausalLM
 
-    if isinstance(model, Mamba2MCForCausalLM):
-        return model.with_mc(**new)
+    if isinstance(model, Mamba2MCForCausalLM) or hasattr(model, "with_mc"):
+        return model.with_mc(**new)  # imported models rebuild themselves under new MC settings
     from mcserve.models.native import MCForCausalLM
 
     ncfg = cfg.replace(**new)
@@ -490,3 +490,14 @@ def _hf_name(ours: str, layout: str) -> str:
 register("mcserve", _load_native, "mcserve's native MC models (config.json + model.safetensors)")
 register("mamba2", _load_mamba2,
          "Mamba2: transformers format (model_type mamba2) or the original mamba_ssm format")
+
+
+def _load_fla_delta(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.fla_delta import load_fla_delta
+
+    return load_fla_delta(path, cfg, layout)
+
+
+register("delta_net", _load_fla_delta, "DeltaNet: flash-linear-attention format (fla-hub)")
+register("gated_deltanet", _load_fla_delta,
+         "Gated DeltaNet: flash-linear-attention format (fla-hub)")
