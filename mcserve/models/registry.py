@@ -115,10 +115,13 @@ def detect_format(path: str | Path) -> tuple[str, str]:
     if mt is None:
         if {"d_model", "n_layer"} <= set(cfg) and "ssm_cfg" in cfg:
             layer = (cfg.get("ssm_cfg") or {}).get("layer", "Mamba1")
+            if layer == "Mamba1" and "mamba" in _REGISTRY:
+                return "mamba", "mamba_ssm"
             if layer != "Mamba2":
                 raise CheckpointError(
-                    f"{file}: mamba_ssm checkpoint with ssm_cfg.layer={layer!r}; only 'Mamba2' "
-                    f"is supported (supported model types: {supported_model_types()})")
+                    f"{file}: mamba_ssm checkpoint with ssm_cfg.layer={layer!r}; only 'Mamba1' "
+                    f"and 'Mamba2' are supported (supported model types: "
+                    f"{supported_model_types()})")
             return "mamba2", "mamba_ssm"
         if {"d_model", "n_layers", "vocab_size"} <= set(cfg):
             return "mcserve", "mcserve"  # native configs written before model_type was recorded
@@ -501,3 +504,13 @@ def _load_fla_delta(path: Path, cfg: dict, layout: str) -> nn.Module:
 register("delta_net", _load_fla_delta, "DeltaNet: flash-linear-attention format (fla-hub)")
 register("gated_deltanet", _load_fla_delta,
          "Gated DeltaNet: flash-linear-attention format (fla-hub)")
+
+
+def _load_mamba1(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.mamba1 import load_mamba1
+
+    return load_mamba1(path, cfg, layout, *read_weights(path))
+
+
+register("mamba", _load_mamba1,
+         "Mamba (v1): transformers format (model_type mamba) or the original mamba_ssm format")

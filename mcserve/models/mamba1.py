@@ -1,0 +1,440 @@
+"""Mamba (v1) on mcserve's vector-gated ``gla`` memory family, so Memory Caching and the engine
+apply to it.
+
+Mamba's selective SSM keeps, for each of the ``d_inner`` channels, a state h ∈ R^N
+(N = ``state_size``) with a decay per state dimension:
+
+    h_t = exp(Δ_t·A_c) ⊙ h_{t-1} + Δ_t·B_t·x_t,    y_t = C_t·h_t + D_c·x_t
+
+(A_c = −exp(A_log[c]) ∈ R^N, Δ_t = softplus(dt_proj(dt_t)) per channel). On
+``VectorGatedMemory`` every channel is a head with K = N and V = 1: k = B_t (shared by all
+channels), q = C_t, v = x_t of the channel, write gate b = Δ_t and log decay Δ_t·A_c per key
+dimension. Around the SSM: in_proj → (x, z); a short causal depthwise conv (+ bias) and SiLU on
+x; x_proj → (dt, B, C); the D skip; y·silu(z); out_proj. Blocks are pre-norm residual
+(RMSNorm → mixer), then a final RMSNorm and the LM head.
+
+Cost: d_inner heads of a (N, 1) state each. The memory's scan form (``kernels.gla_vector``)
+does T·d_inner·N work per layer with about 2√T Python steps; MC's per-segment key sums and
+cached blocks are d_inner·N numbers each, like the state.
+
+Post-hoc MC (docs/mc.md) as for Mamba2: u_t = q_t = C_t (``share_uq``), no weights added;
+``mc_variant="none"`` equals transformers' ``MambaForCausalLM`` to float rounding.
+
+Loading (``load_mamba1``, called by ``mcserve.models.registry``): transformers' format
+(``model_type: mamba``) or ``mamba_ssm``'s (``ssm_cfg`` without ``layer`` or with
+``layer: Mamba1``; ``backbone.embedding.weight``, vocabulary padded to
+``pad_vocab_size_multiple``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mcserve.config import MCConfig, validate_mc
+from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.checkpoint import CheckpointError
+from mcserve.models.mamba2 import RMSNorm, _up
+from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.memory.gla import VectorGatedMemory
+from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
+
+#: used for ``segment_len`` when the checkpoint records no training length
+DEFAULT_SEGMENT_LEN = 2048
+#: config.json keys that record the training context length, in order of preference (the
+#: registry's list; the registry imports this module, so it cannot be imported from there)
+TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
+                        "training_seq_len")
+MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
+
+
+@dataclass(frozen=True)
+class Mamba1Config:
+    """Architecture of a Mamba (v1) LM plus the post-hoc MC settings applied to it.
+
+    Engine-facing names as in ``ModelConfig``: ``n_heads`` = d_inner (one head per channel),
+    ``head_dim`` = the value dim V = 1, ``state_size`` = the key dim K = N.
+    """
+
+    vocab_size: int = 256  # rows of the embedding / LM head (already padded)
+    d_model: int = 64
+    n_layers: int = 2
+    d_inner: int = 128
+    state_size: int = 16
+    dt_rank: int = 4
+    conv_size: int = 4
+    use_bias: bool = False  # in_proj / out_proj
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = True
+    unpadded_vocab_size: int | None = None  # the tokenizer's vocab when the rows were padded
+    max_position_embeddings: int | None = None  # the training length, when the source records it
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # post-hoc Memory Caching (u = q, no learned weights)
+    mc_variant: str = "none"
+    mc_mode: str = "checkpoint"
+    segment_len: int = DEFAULT_SEGMENT_LEN
+    mc_top_k: int = 2
+    memory: str = "gla"
+    share_uq: bool = True
+    model_type: str = "mamba"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "d_inner", "state_size", "dt_rank",
+                     "conv_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if self.memory != "gla":
+            raise ValueError(f"Mamba runs on the 'gla' memory family, got {self.memory!r}")
+        if self.model_type != "mamba":
+            raise ValueError(f"model_type must be 'mamba', got {self.model_type!r}")
+        if not self.share_uq:
+            raise ValueError("Mamba has no gate connectors: share_uq must be True (u = q)")
+        validate_mc(self.mc_variant, self.mc_mode, self.segment_len, self.mc_top_k)
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_inner
+
+    @property
+    def head_dim(self) -> int:
+        return 1
+
+    @property
+    def mc(self) -> MCConfig:
+        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
+                        top_k=self.mc_top_k, share_uq=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> Mamba1Config:
+        return dataclasses.replace(self, **changes)
+
+
+class Mamba1Mixer(nn.Module):
+    """in_proj → (x, z); causal conv + SiLU on x; x_proj → (dt, B, C); the selective SSM as MC
+    ``gla`` memory; D skip; y·silu(z); out_proj. Parameter names match transformers'
+    ``MambaMixer``."""
+
+    def __init__(self, cfg: Mamba1Config, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.H, self.N, self.R = cfg.d_inner, cfg.state_size, cfg.dt_rank
+        self.in_proj = nn.Linear(cfg.d_model, 2 * cfg.d_inner, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(cfg.d_inner, cfg.d_inner, cfg.conv_size, groups=cfg.d_inner,
+                                bias=cfg.use_conv_bias, padding=cfg.conv_size - 1)
+        self.x_proj = nn.Linear(cfg.d_inner, self.R + 2 * self.N, bias=False)
+        self.dt_proj = nn.Linear(self.R, cfg.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(cfg.d_inner, self.N))
+        self.D = nn.Parameter(torch.ones(cfg.d_inner))
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.use_bias)
+        self.family = VectorGatedMemory()
+        self.memory = MCMemory(self.family, cfg.mc)
+
+    # ------------------------------------------------------------------ engine interface
+    def init_memory(self) -> None:
+        return None  # the gla family starts from zero
+
+    def init_state(self, batch: int, dtype: torch.dtype, device) -> LayerState:
+        mc = self.memory.init_state(batch, self.H, self.N, 1, dtype=dtype, device=device)
+        conv = torch.zeros(batch, self.cfg.conv_size - 1, self.cfg.d_inner, dtype=dtype,
+                           device=device)
+        return LayerState(mc, conv)
+
+    # ------------------------------------------------------------------ pieces
+    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False,
+                 keep_conv_input: bool = False):
+        """x ``(B, T, D)`` → z, xs ``(B, T, d_inner)``, q, k ``(B, T, H, N)``, gates, tail
+        (and the conv input ``(B, w - 1 + T, d_inner)`` with ``keep_conv_input``)."""
+        B, T, _ = x.shape
+        H, N, R = self.H, self.N, self.R
+        xs, z = self.in_proj(x).chunk(2, dim=-1)
+        w = self.conv1d.weight[:, 0]  # (d_inner, w)
+        full = None
+        if T == 1 and inplace:  # decode: conv + bias + silu in one pass, tail shifted in place
+            xs = cpu_ops.conv_step_(conv_tail, xs[:, 0], w, self.conv1d.bias, True)[:, None]
+        else:
+            full = torch.cat([conv_tail.to(xs.dtype), xs], dim=1)  # (B, w-1+T, d_inner)
+            conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
+            # depthwise causal conv as w shifted multiply-adds
+            out = full[:, :T] * w[:, 0]
+            for j in range(1, w.shape[1]):
+                out = out + full[:, j:j + T] * w[:, j]
+            if self.conv1d.bias is not None:
+                out = out + self.conv1d.bias
+            xs = F.silu(out)
+        dt, Bm, Cm = self.x_proj(xs).split([R, N, N], dim=-1)
+        delta = F.softplus(_up(F.linear(dt, self.dt_proj.weight)) + _up(self.dt_proj.bias))
+        A = -torch.exp(_up(self.A_log))  # (H, N)
+        k = Bm[:, :, None, :].expand(B, T, H, N)  # one key for every channel: a view
+        q = Cm[:, :, None, :].expand(B, T, H, N)
+        gates = {"log_a": (delta[..., None] * A).to(xs.dtype), "b": delta.to(xs.dtype)}
+        if keep_conv_input:
+            return z, xs, q, k, gates, conv_tail, full
+        return z, xs, q, k, gates, conv_tail
+
+    def _output(self, z: Tensor, xs: Tensor, y: Tensor) -> Tensor:
+        y = y[..., 0] + xs * self.D.to(y.dtype)  # (B, T, d_inner)
+        y = y * F.silu(z)
+        return self.out_proj(y.to(self.out_proj.weight.dtype))
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        record = state.mc.record
+        z, xs, q, k, gates, conv, *conv_input = self._project(
+            x, state.conv, keep_conv_input=record is not None)
+        y, mc = self.memory.forward(state.mc, q, k, xs[..., None], q, gates)
+        if record is not None:
+            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
+        return self._output(z, xs, y), LayerState(mc, conv)
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
+        if not pl.inplace:
+            pl.conv = pl.conv.clone()
+        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv, inplace=True)
+        return self._output(z, xs, self.memory.decode_paged(pl, q, k, xs[..., None], q, gates))
+
+
+class Mamba1Block(nn.Module):
+    def __init__(self, cfg: Mamba1Config, layer_idx: int):
+        super().__init__()
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = Mamba1Mixer(cfg, layer_idx)
+
+    def _residual(self, x: Tensor, h: Tensor) -> Tensor:
+        if self.residual_in_fp32:
+            dt = torch.promote_types(x.dtype, torch.float32)
+            return x.to(dt) + h.to(dt)
+        return x + h.to(x.dtype)
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        h, state = self.mixer(self.norm(x.to(self.norm.weight.dtype)), state)
+        return self._residual(x, h), state
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        return self._residual(x, self.mixer.forward_paged(
+            self.norm(x.to(self.norm.weight.dtype)), pl))
+
+
+class Mamba1MCForCausalLM(RecurrentLM):
+    """Mamba (v1) language model with post-hoc Memory Caching (model_type ``mamba``).
+
+    State-dict names: ``embed.weight``, ``layers.{i}.norm.weight``, ``layers.{i}.mixer.*``
+    (as in transformers), ``norm_f.weight``, ``lm_head.weight``. Use
+    ``mcserve.models.registry.load_model`` to read a transformers or ``mamba_ssm`` directory.
+    """
+
+    def __init__(self, config: Mamba1Config):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Mamba1Block(config, i) for i in range(config.n_layers))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm_f(x.to(self.dtype)))
+
+    def with_mc(self, **mc: Any) -> Mamba1MCForCausalLM:
+        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
+        new = Mamba1MCForCausalLM(self.config.replace(**mc))
+        new.load_state_dict(self.state_dict())
+        return new.to(device=self.device, dtype=self.dtype).eval()
+
+
+# ---------------------------------------------------------------------------- loading
+def training_length(cfg: dict) -> int | None:
+    """The training context length a config records, if any."""
+    for key in TRAINING_LENGTH_KEYS:
+        val = cfg.get(key)
+        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+            return val
+    return None
+
+
+def mamba1_config_from_hf(cfg: dict, file: Path) -> Mamba1Config:
+    """A ``Mamba1Config`` from a transformers ``MambaConfig`` dict."""
+    def get(key, default=None, required=False):
+        if key not in cfg:
+            if required:
+                raise CheckpointError(f"{file}: required key {key!r} is missing")
+            return default
+        return cfg[key]
+
+    d_model = get("hidden_size", required=True)
+    expand = get("expand", 2)
+    d_inner = get("intermediate_size", None)
+    if d_inner is None and isinstance(d_model, int):
+        d_inner = int(expand * d_model)
+    rank = get("time_step_rank", "auto")
+    if rank == "auto" and isinstance(d_model, int):
+        rank = math.ceil(d_model / 16)
+    act = get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
+    train_len = training_length(cfg)
+    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
+    eos = get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    try:
+        return Mamba1Config(
+            vocab_size=get("vocab_size", required=True), d_model=d_model,
+            n_layers=get("num_hidden_layers", required=True), d_inner=d_inner,
+            state_size=get("state_size", 16), dt_rank=rank, conv_size=get("conv_kernel", 4),
+            use_bias=bool(get("use_bias", False)), use_conv_bias=bool(get("use_conv_bias", True)),
+            norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+            residual_in_fp32=bool(get("residual_in_fp32", True)),
+            tie_embeddings=bool(get("tie_word_embeddings", True)),
+            max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
+            eos_token_id=eos, pad_token_id=get("pad_token_id"),
+            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: invalid Mamba config: {e}") from None
+
+
+def mamba1_config_from_ssm(cfg: dict, file: Path) -> Mamba1Config:
+    """A ``Mamba1Config`` from a ``mamba_ssm`` ``MambaConfig`` dict (``layer: Mamba1``)."""
+    for key in ("d_model", "n_layer", "vocab_size"):
+        if key not in cfg:
+            raise CheckpointError(f"{file}: required key {key!r} is missing")
+    ssm = dict(cfg.get("ssm_cfg") or {})
+    d_model = cfg["d_model"]
+    if cfg.get("d_intermediate", 0):
+        raise CheckpointError(f"{file}: d_intermediate={cfg['d_intermediate']} (MLP blocks after "
+                              f"the mixer) is not supported")
+    if cfg.get("attn_layer_idx"):
+        raise CheckpointError(f"{file}: attn_layer_idx={cfg['attn_layer_idx']} (hybrid attention "
+                              f"layers) is not supported")
+    if not cfg.get("rms_norm", True):
+        raise CheckpointError(f"{file}: rms_norm=false (LayerNorm blocks) is not supported")
+    known = {"layer", "d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init",
+             "dt_scale", "dt_init_floor", "conv_bias", "bias", "use_fast_path"}
+    unknown = sorted(set(ssm) - known)
+    if unknown:
+        raise CheckpointError(f"{file}: ssm_cfg keys {unknown} are not supported for Mamba1")
+    rank = ssm.get("dt_rank", "auto")
+    if rank == "auto" and isinstance(d_model, int):
+        rank = math.ceil(d_model / 16)
+    vocab = cfg["vocab_size"]
+    mult = cfg.get("pad_vocab_size_multiple", 8) or 1
+    padded = vocab + (-vocab) % mult
+    train_len = training_length(cfg)
+    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
+    try:
+        return Mamba1Config(
+            vocab_size=padded, d_model=d_model, n_layers=cfg["n_layer"],
+            d_inner=int(ssm.get("expand", 2) * d_model), state_size=ssm.get("d_state", 16),
+            dt_rank=rank, conv_size=ssm.get("d_conv", 4), use_bias=bool(ssm.get("bias", False)),
+            use_conv_bias=bool(ssm.get("conv_bias", True)),
+            norm_eps=float(cfg.get("norm_epsilon", 1e-5)),
+            residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
+            tie_embeddings=bool(cfg.get("tie_embeddings", True)),
+            unpadded_vocab_size=vocab if padded != vocab else None,
+            max_position_embeddings=train_len,
+            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: invalid mamba_ssm Mamba config: {e}") from None
+
+
+def _listed(names, n: int = 8) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(repr(x) for x in names[:n]) + more
+
+
+def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, Path],
+                 rename: Callable[[str], str], source_name: Callable[[str], str], *,
+                 config_file: Path, tied: bool, what: str) -> nn.Module:
+    """Load ``stored`` (source names) into ``model`` after renaming, or raise a
+    ``CheckpointError`` naming the file and the source tensor: two tensors with one name, a
+    missing tensor, an unknown one, a wrong shape or a non-float dtype; a tied head stored with
+    values other than the embedding's. ``source_name`` maps our names back for messages."""
+    renamed: dict[str, Tensor] = {}
+    src_of: dict[str, str] = {}
+    for name, t in stored.items():
+        ours = rename(name)
+        if ours in renamed:
+            raise CheckpointError(f"{origin[name]}: tensors {src_of[ours]!r} and {name!r} both "
+                                  f"map to {ours!r}")
+        renamed[ours] = t
+        src_of[ours] = name
+    expected = model.state_dict()
+    weights_file = next(iter(origin.values())) if origin else config_file.parent
+    if tied and "lm_head.weight" in renamed and "embed.weight" in renamed:
+        if not torch.equal(renamed["lm_head.weight"], renamed["embed.weight"]):
+            raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: "
+                                  f"{src_of['lm_head.weight']!r} and the embedding are tied in "
+                                  f"{config_file} but hold different values")
+        renamed.pop("lm_head.weight")
+        src_of.pop("lm_head.weight")
+    skip = {"lm_head.weight"} if tied else set()
+    missing = [n for n in expected if n not in renamed and n not in skip]
+    if missing:
+        srcs = [source_name(n) for n in missing]
+        more = f" (and {_listed(srcs[1:])})" if len(srcs) > 1 else ""
+        raise CheckpointError(f"{weights_file} is missing tensor {srcs[0]!r}{more} required by "
+                              f"{config_file}")
+    unexpected = [n for n in renamed if n not in expected]
+    if unexpected:
+        names = [src_of[n] for n in unexpected]
+        raise CheckpointError(f"{origin[names[0]]} has tensors this {what} model does not use: "
+                              f"{_listed(names)}")
+    for name, want in expected.items():
+        if name in skip:
+            continue
+        got, src = renamed[name], src_of[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(f"{origin[src]}: tensor {src!r} has shape {tuple(got.shape)}, "
+                                  f"expected {tuple(want.shape)} from {config_file}")
+        if not got.dtype.is_floating_point:
+            raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
+                                  f"expected a floating point tensor")
+    model.load_state_dict({n: t.to(expected[n].dtype) for n, t in renamed.items()},
+                          strict=not tied)
+    return model.eval()
+
+
+def _mamba_name(src: str) -> str:
+    """transformers / mamba_ssm tensor name → ``Mamba1MCForCausalLM`` name."""
+    name = src[len("backbone."):] if src.startswith("backbone.") else src
+    if name in ("embeddings.weight", "embedding.weight"):
+        return "embed.weight"
+    return name
+
+
+def load_mamba1(path: Path, cfg: dict, layout: str, stored: dict[str, Tensor],
+                origin: dict[str, Path]) -> Mamba1MCForCausalLM:
+    """The model of a transformers (``layout="transformers"``) or ``mamba_ssm`` Mamba1
+    directory whose tensors ``stored`` came from the files ``origin``."""
+    file = path / "config.json"
+    mcfg = (mamba1_config_from_ssm(cfg, file) if layout == "mamba_ssm"
+            else mamba1_config_from_hf(cfg, file))
+    emb = "embedding" if layout == "mamba_ssm" else "embeddings"
+
+    def source_name(ours: str) -> str:
+        if ours == "embed.weight":
+            return f"backbone.{emb}.weight"
+        return ours if ours == "lm_head.weight" else "backbone." + ours
+
+    return load_checked(Mamba1MCForCausalLM(mcfg), stored, origin, _mamba_name, source_name,
+                        config_file=file, tied=mcfg.tie_embeddings, what="Mamba")
