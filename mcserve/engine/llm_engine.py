@@ -30,7 +30,7 @@ from mcserve.engine.tokenizer import (
 from mcserve.errors import InvalidRequestError
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.packed_linear import pack_linears
-from mcserve.models.registry import load_model
+from mcserve.models.registry import is_checkpoint_file, load_model
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
 
@@ -59,7 +59,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if model is None:
             path = Path(config.model) if config.model else DEFAULT_MODEL_DIR
-            if not (path / "config.json").is_file():
+            if not (path / "config.json").is_file() and not is_checkpoint_file(path):
                 where = "the embedded default model" if not config.model else "MODEL"
                 raise ValueError(f"{where}: no checkpoint at {path} (config.json missing)")
             model = load_model(path, dtype=config.dtype, device=config.device,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",
     "IncrementalDetokenizer",
+    "RWKVWorldTokenizer",
     "Tokenizer",
     "find_stop",
     "load_tokenizer",
@@ -384,6 +385,8 @@ def load_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None = Non
     path = Path(model_dir)
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_dir(path)
+    if _is_rwkv_checkpoint(path):  # RWKV ships no tokenizer.json: the World vocabulary
+        return RWKVWorldTokenizer()
     return Tokenizer.byte_level()
 
 
@@ -418,3 +421,100 @@ def stop_holdback(text: str, stops: Sequence[str]) -> int:
                 hold = k
                 break
     return hold
+
+
+# --- RWKV World ----------------------------------------------------------------------------------
+# RWKV checkpoints (BlinkDL's .pth, fla-hub's rwkv7 directories) ship without a tokenizer.json;
+# they were trained with the World vocabulary (65529 byte strings, ids 1..65529, greedy longest
+# match over the UTF-8 bytes), which the rwkv package ships with its trie tokenizer. Id 0 ends a
+# document (the eos id) and stands for no text. Decoding replaces invalid UTF-8 with U+FFFD, so
+# the incremental detokenizer holds a character split across tokens until it completes.
+
+
+def _is_rwkv_checkpoint(path: Path) -> bool:
+    """A BlinkDL ``.pth`` file, or a directory whose config.json says ``model_type: rwkv7``."""
+    if path.suffix == ".pth" and path.is_file():
+        return True
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") == "rwkv7"
+
+
+#: RWKV's chat format: "User: ...\n\nAssistant: ...\n\n", ending with "Assistant:"
+RWKV_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+_VOCAB_NAME = "rwkv_vocab_v20230424.txt"
+
+
+def _import_trie():
+    try:
+        from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+    except ImportError:
+        raise ImportError("the RWKV World tokenizer needs the 'rwkv' package (pip install rwkv), "
+                          "which ships the vocabulary; or pass a tokenizer directory "
+                          "(--tokenizer DIR with a tokenizer.json)") from None
+    return TRIE_TOKENIZER
+
+
+def world_vocab_file() -> Path:
+    """The World vocabulary file the ``rwkv`` package ships."""
+    _import_trie()
+    import rwkv
+
+    return Path(rwkv.__file__).resolve().parent / _VOCAB_NAME
+
+
+class RWKVWorldTokenizer(Tokenizer):
+    """Text ↔ ids with the RWKV World vocabulary (``rwkv`` package's ``TRIE_TOKENIZER``)."""
+
+    EOS_ID = 0
+
+    def __init__(self, vocab_file: str | Path | None = None) -> None:
+        trie_cls = _import_trie()
+        file = Path(vocab_file) if vocab_file is not None else world_vocab_file()
+        if not file.is_file():
+            raise FileNotFoundError(f"RWKV World vocabulary {file} does not exist")
+        # the trie is the backend: not a ``tokenizers`` object, so the server neither bounds
+        # prompt bytes per token (RWKV tokens hold up to 128 bytes) nor batches it
+        super().__init__(trie_cls(str(file)), chat_template=RWKV_CHAT_TEMPLATE)
+        self._tokens: dict[int, bytes] = self._backend.idx2token
+
+    @cached_property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return max(self._tokens) + 1
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token2idx.get(token.encode("utf-8"))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        raw = self._tokens.get(int(token_id))
+        return None if raw is None else raw.decode("utf-8", errors="replace")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.EOS_ID
+
+    @cached_property
+    def all_special_ids(self) -> list[int]:
+        return [self.EOS_ID]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (RWKV adds no special tokens)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._backend.encode(text) if text else []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD, unknown ids (and 0) are dropped."""
+        raw = b"".join(self._tokens.get(int(i), b"") for i in ids)
+        return raw.decode("utf-8", errors="replace")

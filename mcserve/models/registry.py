@@ -77,6 +77,8 @@ def supported_model_types() -> list[str]:
 # ---------------------------------------------------------------------------- config / format
 def read_config(path: str | Path) -> dict:
     path = Path(path)
+    if is_checkpoint_file(path):  # BlinkDL's RWKV-7 .pth: the architecture is in the shapes
+        return {}
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():
@@ -102,6 +104,13 @@ def _float_hook(obj: dict) -> Any:
     return obj
 
 
+def is_checkpoint_file(path: str | Path) -> bool:
+    """True for a checkpoint that is one file rather than a directory (BlinkDL's RWKV-7
+    ``.pth``, loaded as model_type ``rwkv7``, layout ``blinkdl``)."""
+    path = Path(path)
+    return path.suffix == ".pth" and path.is_file()
+
+
 def detect_format(path: str | Path) -> tuple[str, str]:
     """``(model_type, layout)`` of a checkpoint directory, e.g. ``("mamba2", "mamba_ssm")``.
 
@@ -109,6 +118,8 @@ def detect_format(path: str | Path) -> tuple[str, str]:
     ``CheckpointError`` listing the supported ones.
     """
     path = Path(path)
+    if is_checkpoint_file(path):
+        return "rwkv7", "blinkdl"
     cfg = read_config(path)
     file = path / "config.json"
     mt = cfg.get("model_type")
@@ -498,7 +509,7 @@ register("mamba2", _load_mamba2,
 def _load_fla_delta(path: Path, cfg: dict, layout: str) -> nn.Module:
     from mcserve.models.fla_delta import load_fla_delta
 
-    return load_fla_delta(path, cfg, layout)
+    return load_fla_delta(path, cfg, layout, *read_weights(path))
 
 
 register("delta_net", _load_fla_delta, "DeltaNet: flash-linear-attention format (fla-hub)")
@@ -514,3 +525,22 @@ def _load_mamba1(path: Path, cfg: dict, layout: str) -> nn.Module:
 
 register("mamba", _load_mamba1,
          "Mamba (v1): transformers format (model_type mamba) or the original mamba_ssm format")
+
+
+def _load_rwkv7(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.rwkv7 import from_blinkdl, from_fla
+
+    try:
+        if layout == "blinkdl":
+            return from_blinkdl(_read_file(path), str(path))
+        tensors, origin = read_weights(path)
+        return from_fla(tensors, cfg, str(next(iter(origin.values()), path)))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+register("rwkv7", _load_rwkv7,
+         "RWKV-7: BlinkDL's .pth file, or flash-linear-attention format (fla-hub, model_type "
+         "rwkv7)")
