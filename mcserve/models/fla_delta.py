@@ -55,6 +55,12 @@ from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
 MODEL_TYPES = ("delta_net", "gated_deltanet")
+#: config.json keys that record the training context length, in order of preference, and the MC
+#: settings a config may carry (the registry's lists; the registry imports this module, so it
+#: cannot be imported from here)
+TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
+                        "training_seq_len")
+MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
 _MEMORY = {"delta_net": "delta", "gated_deltanet": "gated_delta"}
 _QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
 _QK_NORMS = ("l2", "sum")
@@ -362,11 +368,24 @@ class FlaDeltaForCausalLM(RecurrentLM):
 
 
 # ---------------------------------------------------------------------------- loading
+def training_length(cfg: dict) -> int | None:
+    """The training context length a config records, if any."""
+    for key in TRAINING_LENGTH_KEYS:
+        val = cfg.get(key)
+        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+            return val
+    return None
+
+
+def _listed(names: list[str], n: int = 8) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(repr(x) for x in names[:n]) + more
+
+
 def config_from_fla(cfg: dict, file: Path) -> FlaDeltaConfig:
     """A ``FlaDeltaConfig`` from an fla ``DeltaNetConfig`` / ``GatedDeltaNetConfig`` dict
     (fla's defaults for absent keys)."""
-    from mcserve.models.registry import _MC_KEYS, _training_length
-
     mt = cfg.get("model_type")
     if mt not in MODEL_TYPES:
         raise CheckpointError(f"{file}: model_type {mt!r} is not one of {MODEL_TYPES}")
@@ -421,8 +440,8 @@ def config_from_fla(cfg: dict, file: Path) -> FlaDeltaConfig:
     if inter is None:  # fla's GatedMLP: 2/3 · hidden_ratio · hidden_size, rounded up to 256
         inter = int(d_model * get("hidden_ratio", 4) * 2 / 3)
         inter = 256 * ((inter + 255) // 256)
-    train_len = _training_length(cfg)
-    mc = {k: cfg[k] for k in _MC_KEYS if k in cfg}
+    train_len = training_length(cfg)
+    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
     eos = get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -467,17 +486,17 @@ def _fla_name(ours: str) -> str:
     return "model." + ".".join(parts)
 
 
-def load_fla_delta(path: Path, cfg: dict, layout: str = "transformers") -> FlaDeltaForCausalLM:
-    """Read an fla ``delta_net`` / ``gated_deltanet`` directory (float32, cpu, eval mode).
+def load_fla_delta(path: Path, cfg: dict, layout: str, stored: dict[str, Tensor],
+                   origin: dict[str, Path]) -> FlaDeltaForCausalLM:
+    """An fla ``delta_net`` / ``gated_deltanet`` model (float32, cpu, eval mode) from its
+    directory's config dict and tensors (``stored``; ``origin`` names the file of each, as
+    ``registry.read_weights`` returns them).
 
     Every mismatch between the weights and the config is a ``CheckpointError`` naming the file
     and the tensor: a missing tensor, one this model does not use, a wrong shape or dtype.
     """
-    from mcserve.models.registry import _listed, read_weights
-
     file = path / "config.json"
     mcfg = config_from_fla(cfg, file)
-    stored, origin = read_weights(path)
     renamed: dict[str, Tensor] = {}
     src_of: dict[str, str] = {}
     for name, t in stored.items():
