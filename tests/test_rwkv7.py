@@ -310,7 +310,7 @@ def test_greedy_matches_rwkv_package(pth, rwkv_ref):
 
 
 ENGINE_COMBOS = [("none", "checkpoint"), ("grm", "checkpoint"), ("post", "independent"),
-                 ("ssc", "independent"), ("residual", "checkpoint")]
+                 ("ssc", "independent"), ("residual", "checkpoint"), ("loglinear", "checkpoint")]
 
 
 @pytest.mark.parametrize("variant,mode", ENGINE_COMBOS)
@@ -330,7 +330,7 @@ def test_engine_alone_batched_preempted_cached(pth, variant, mode):
         for _ in range(2):  # the second round resumes from prefix-cached checkpoints
             outs = LLM(engine=eng).generate(prompts, params)
             assert [o.outputs[0].token_ids for o in outs] == want, kw
-    if variant != "none":
+    if variant not in ("none", "loglinear"):  # loglinear keeps private per-sequence states
         assert engines[0].stats()["prefix_cache_hits"] > 0
         assert engines[1].stats()["num_preemptions"] > 0
     for eng in engines:
@@ -487,3 +487,13 @@ def test_llm_on_a_pth_file(tmp_path):
     ids = llm.get_tokenizer().encode("The capital of France is")
     assert out.outputs[0].token_ids == greedy(model, ids, 5)
     assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
+
+
+def test_chunk_half_precision_runs_in_float32():
+    r, k, v, a, b, log_w, S0 = _inputs(1, 40, 2, 16, 16, torch.float32, 4)
+    want, S_want = chunk_rwkv7(r, k, v, a, b, log_w, S0)
+    half = [x.bfloat16() for x in (r, k, v, a, b, log_w, S0)]
+    o, S = chunk_rwkv7(*half)
+    assert o.dtype == S.dtype == torch.bfloat16
+    got, _ = chunk_rwkv7(*(x.float() for x in half))
+    assert _rel(o.float(), got) <= 1e-2 and _rel(o.float(), want) <= 0.1

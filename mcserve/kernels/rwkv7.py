@@ -62,6 +62,10 @@ def chunk_rwkv7(
     half a chunk: fine in float32 for RWKV-7's bounded decays (log w ≥ −e^{−0.5}) up to chunks
     of a few hundred tokens; ``chunk_size`` trades the L² work against the per-chunk loop.
     """
+    if r.element_size() < 4:  # half precision: the L×L products and the solve in float32
+        f = [x.float() for x in (r, k, v, a, b, log_w, initial_state)]
+        o, S = chunk_rwkv7(*f, chunk_size=chunk_size)
+        return o.to(v.dtype), S.to(initial_state.dtype)
     B, T, H, K = r.shape
     S = initial_state
     if T == 1:  # decode: one step, no chunk machinery
