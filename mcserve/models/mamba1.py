@@ -364,11 +364,13 @@ def _listed(names, n: int = 8) -> str:
 
 def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, Path],
                  rename: Callable[[str], str], source_name: Callable[[str], str], *,
-                 config_file: Path, tied: bool, what: str) -> nn.Module:
+                 config_file: Path, tied: bool, what: str,
+                 embed_name: str = "embed.weight") -> nn.Module:
     """Load ``stored`` (source names) into ``model`` after renaming, or raise a
     ``CheckpointError`` naming the file and the source tensor: two tensors with one name, a
     missing tensor, an unknown one, a wrong shape or a non-float dtype; a tied head stored with
-    values other than the embedding's. ``source_name`` maps our names back for messages."""
+    values other than the embedding's (``embed_name``). ``source_name`` maps our names back
+    for messages."""
     renamed: dict[str, Tensor] = {}
     src_of: dict[str, str] = {}
     for name, t in stored.items():
@@ -380,8 +382,8 @@ def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, 
         src_of[ours] = name
     expected = model.state_dict()
     weights_file = next(iter(origin.values())) if origin else config_file.parent
-    if tied and "lm_head.weight" in renamed and "embed.weight" in renamed:
-        if not torch.equal(renamed["lm_head.weight"], renamed["embed.weight"]):
+    if tied and "lm_head.weight" in renamed and embed_name in renamed:
+        if not torch.equal(renamed["lm_head.weight"], renamed[embed_name]):
             raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: "
                                   f"{src_of['lm_head.weight']!r} and the embedding are tied in "
                                   f"{config_file} but hold different values")

@@ -527,6 +527,15 @@ register("mamba", _load_mamba1,
          "Mamba (v1): transformers format (model_type mamba) or the original mamba_ssm format")
 
 
+def _load_fla_gla(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.fla_gla import load_fla_gla
+
+    return load_fla_gla(path, cfg, *read_weights(path))
+
+
+register("gla", _load_fla_gla, "GLA: flash-linear-attention format (fla-hub, model_type gla)")
+
+
 def _load_rwkv7(path: Path, cfg: dict, layout: str) -> nn.Module:
     from mcserve.models.rwkv7 import from_blinkdl, from_fla
 
