@@ -325,3 +325,89 @@ def llama_cpp_runner(model_dir: Path, src_arg: str | None, threads: int
 def describe_shape(shape: dict[str, Any]) -> str:
     return json.dumps({k: shape[k] for k in ("hidden_size", "num_hidden_layers", "state_size",
                                              "head_dim", "num_heads", "vocab_size")})
+
+
+# ------------------------------------------------------------------------------ RWKV-7
+
+#: the 0.1B RWKV-7 World shape (BlinkDL's rwkv7-g1 0.1B: 12 layers, 768 wide, head 64, the
+#: LoRA ranks its trainer picks at that width)
+RWKV7_01B: dict[str, Any] = dict(n_layer=12, n_embd=768, head_size=64, vocab_size=65536,
+                                 d_ffn=3072, d_decay=64, d_aaa=64, d_mv=32, d_gate=128)
+RWKV7_QUICK: dict[str, Any] = dict(RWKV7_01B, n_layer=2, vocab_size=4096)
+
+
+def rwkv7_file(shape: dict[str, Any] = RWKV7_01B, seed: int = 0) -> Path:
+    """A random-weight RWKV-7 checkpoint of ``shape`` in BlinkDL's ``.pth`` layout (float32;
+    built on first use, then reused). Scales follow the trainer's ranges (mixes in (0, 1), decay
+    biases around −1, small LoRAs) so the state neither vanishes nor explodes."""
+    name = f"rwkv7-d{shape['n_embd']}-l{shape['n_layer']}-v{shape['vocab_size']}-s{seed}.pth"
+    out = cache_dir() / name
+    if out.is_file():
+        return out
+    g = torch.Generator().manual_seed(seed)
+    C, N, V, F_ = shape["n_embd"], shape["head_size"], shape["vocab_size"], shape["d_ffn"]
+
+    def rn(*s: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*s, generator=g) * std + mean
+
+    def ru(*s: int, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+        return torch.rand(*s, generator=g) * (hi - lo) + lo
+
+    sd = {"emb.weight": rn(V, C), "head.weight": rn(V, C, std=C ** -0.5),
+          "ln_out.weight": rn(C, std=0.1, mean=1), "ln_out.bias": rn(C, std=0.1)}
+    for i in range(shape["n_layer"]):
+        p, a = f"blocks.{i}.", f"blocks.{i}.att."
+        for ln in (("ln0", "ln1", "ln2") if i == 0 else ("ln1", "ln2")):
+            sd[p + ln + ".weight"], sd[p + ln + ".bias"] = rn(C, std=0.1, mean=1), rn(C, std=0.1)
+        for x in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            sd[a + x] = ru(1, 1, C)
+        for lo, d, std0, mean0 in (("w", "d_decay", 1.0, -1.0), ("a", "d_aaa", 0.5, 0.0),
+                                   ("v", "d_mv", 0.5, 1.0)):
+            sd[a + lo + "0"] = rn(1, 1, C, std=std0, mean=mean0)
+            sd[a + lo + "1"], sd[a + lo + "2"] = (rn(C, shape[d], std=0.1),
+                                                  rn(shape[d], C, std=0.1))
+        sd[a + "g1"], sd[a + "g2"] = rn(C, shape["d_gate"], std=0.1), rn(shape["d_gate"], C,
+                                                                         std=0.1)
+        sd[a + "k_k"], sd[a + "k_a"] = ru(1, 1, C, lo=0.5), ru(1, 1, C, lo=0.5, hi=1.5)
+        sd[a + "r_k"] = rn(C // N, N, std=0.3)
+        for lin in ("receptance", "key", "value", "output"):
+            sd[a + lin + ".weight"] = rn(C, C, std=C ** -0.5)
+        sd[a + "ln_x.weight"], sd[a + "ln_x.bias"] = rn(C, std=0.1, mean=1), rn(C, std=0.1)
+        sd[p + "ffn.x_k"] = ru(1, 1, C)
+        sd[p + "ffn.key.weight"] = rn(F_, C, std=C ** -0.5)
+        sd[p + "ffn.value.weight"] = rn(C, F_, std=F_ ** -0.5)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(sd, tmp)
+    tmp.rename(out)
+    return out
+
+
+class RwkvPackageRunner:
+    """The ``rwkv`` package's own RWKV-7 inference (``strategy="cpu fp32"``, its CPU loop over
+    tokens); it has no batching, so streams run one after another."""
+
+    name = "rwkv package"
+
+    def __init__(self, pth: Path):
+        os.environ.update(RWKV_V7_ON="1", RWKV_JIT_ON="0", RWKV_CUDA_ON="0")
+        from rwkv.model import RWKV
+
+        self.model = RWKV(model=str(pth)[:-len(".pth")], strategy="cpu fp32")
+
+    def _generate(self, prompt: list[int], new_tokens: int) -> list[int]:
+        logits, state = self.model.forward(list(prompt), None)
+        out: list[int] = []
+        for _ in range(new_tokens):
+            out.append(int(logits.argmax()))
+            logits, state = self.model.forward([out[-1]], state)
+        return out
+
+    def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
+        with torch.inference_mode():
+            self._generate(ids[0], 2)  # warm up
+            secs = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = [self._generate(p, new_tokens) for p in ids]
+                secs.append(time.perf_counter() - t0)
+        return Result(self.name, len(ids), len(ids) * new_tokens, secs, out)

@@ -3,6 +3,7 @@
     python bench/offline.py            # 64 prompts x 128 tokens -> 128 new tokens
     python bench/offline.py --quick    # CI smoke run (seconds)
     python bench/offline.py --compare [--llama-cpp-src DIR]   # vs llama.cpp and transformers
+    python bench/offline.py --compare --rwkv7   # RWKV-7 0.1B vs the rwkv package
 
 The model is ``--model DIR``, else the embedded default model, else a random model of the
 default model's shape. Both runs use the same engine settings except ``max_num_seqs``; the
@@ -76,10 +77,14 @@ def main() -> None:
     cmp.add_argument("--repeats", type=int, default=3, help="runs per cell; the median counts")
     cmp.add_argument("--mc", nargs="*", default=[],
                      help="also mcserve with these post-hoc MC variants (e.g. post grm)")
+    cmp.add_argument("--rwkv7", action="store_true",
+                     help="instead: mcserve vs the rwkv package on the 0.1B RWKV-7 shape")
     cmp.add_argument("--llama-cpp-src", default=None,
                      help="llama.cpp source folder with convert_hf_to_gguf.py "
                      "(default: $LLAMA_CPP_SRC)")
     args = ap.parse_args()
+    if args.compare and args.rwkv7:
+        return compare_rwkv7(args)
     if args.compare:
         return compare(args)
     if args.quick:
@@ -189,6 +194,57 @@ def compare(args: argparse.Namespace) -> None:
                "tmp_offline_compare_quick.json" if args.quick else "offline_compare.json",
                extra=args.out)
 
+
+
+def compare_rwkv7(args: argparse.Namespace) -> None:
+    """Decode throughput on the 0.1B RWKV-7 shape (random weights, BlinkDL's .pth): mcserve's
+    engine (as-is, and any --mc variants) against the rwkv package's own CPU inference (fp32,
+    unbatched), same file, same threads, same run."""
+    import baselines as bl
+
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 8, 8, 1
+        args.streams = [1, 4]
+        shape = bl.RWKV7_QUICK
+    else:
+        args.prompt_len, args.new_tokens = 16, 64
+        shape = bl.RWKV7_01B
+    threads = set_threads(args.threads)
+    pth = bl.rwkv7_file(shape)
+    runners: list = [bl.McserveRunner(pth)]
+    runners += [bl.McserveRunner(pth, mc_variant=v, segment_len=16, state_cache_mib=8192)
+                for v in args.mc]
+    runners.append(bl.RwkvPackageRunner(pth))
+    results, agree = [], {}
+    for n in args.streams:
+        ids = bl.prompts(shape["vocab_size"], n, args.prompt_len)
+        for r in runners:
+            res = r.run(ids, args.new_tokens, args.repeats)
+            line = f"  {res.name:<16} streams {n:>3}: {res.tokens_per_s:8.1f} tokens/s"
+            if res.name == "mcserve":
+                ref = res
+            else:
+                agree[(res.name, n)] = bl.agreement(ref, res)
+                line += f" (tokens agreeing with mcserve: {agree[(res.name, n)]:.0%})"
+            print(line, flush=True)
+            results.append(res)
+    by = {(r.name, r.streams): r.tokens_per_s for r in results}
+    names = [r.name for r in runners]
+    rows = [[n] + [f"{by[(m, n)]:.1f}" for m in names]
+            + [f"{by[('mcserve', n)] / by[('rwkv package', n)]:.2f}x"] for n in args.streams]
+    env = env_info()
+    print(env_line(env))
+    print(f"model: RWKV-7 {shape}, float32, random weights; {args.prompt_len}-token prompts -> "
+          f"{args.new_tokens} greedy tokens per stream; {threads} threads for both; median of "
+          f"{args.repeats}")
+    print_table(rows, ["streams"] + [f"{m} tok/s" for m in names] + ["mcserve / rwkv package"],
+                title="RWKV-7 decode throughput, same weights, same run")
+    write_json({"env": env, "args": vars(args), "shape": shape, "threads": threads,
+                "results": [r.to_json() for r in results],
+                "agreement_with_mcserve": [{"name": k[0], "streams": k[1], "fraction": v}
+                                           for k, v in agree.items()]},
+               "tmp_offline_compare_rwkv7_quick.json" if args.quick
+               else "offline_compare_rwkv7.json", extra=args.out)
 
 if __name__ == "__main__":
     main()

@@ -497,3 +497,22 @@ def test_chunk_half_precision_runs_in_float32():
     assert o.dtype == S.dtype == torch.bfloat16
     got, _ = chunk_rwkv7(*(x.float() for x in half))
     assert _rel(o.float(), got) <= 1e-2 and _rel(o.float(), want) <= 0.1
+
+
+def test_offline_compare_rwkv7_quick(tmp_path):
+    # bench/offline.py --compare --rwkv7: mcserve and the rwkv package decode the same random
+    # .pth in one run and produce the same greedy tokens
+    import subprocess
+
+    pytest.importorskip("rwkv")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cmp.json"
+    env = {**os.environ, "MCSERVE_BENCH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(root / "bench" / "offline.py"), "--compare",
+                        "--rwkv7", "--quick", "--threads", "1", "--out", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    agree = {(a["name"], a["streams"]): a["fraction"] for a in data["agreement_with_mcserve"]}
+    assert agree == {("rwkv package", 1): 1.0, ("rwkv package", 4): 1.0}
+    assert "mcserve / rwkv package" in r.stdout
