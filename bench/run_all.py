@@ -48,7 +48,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
-SCRIPTS = ["mc_layer", "offline", "serving", "long_context", "roofline", "cpu_kernels"]
+SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "long_context", "roofline", "cpu_kernels"]
 NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels"}  # helpers; kernels.py needs CUDA
 
 

@@ -1,0 +1,112 @@
+"""One-pass prefill of an MC layer against the per-segment loop, same layer, same run.
+
+One MC layer over the gated linear memory at the default model's head shape (H=4, K=V=64,
+segments of C=64 tokens) takes a prefill chunk of ``--chunk`` tokens after N cached checkpoints
+(N ∈ ``--cached``, i.e. the chunk sits at position N·C of the prompt), for ``grm``, ``ssc``
+(top_k 8) and ``post``:
+
+* **one pass**: ``MCMemory.forward`` over the whole chunk (``kernels.mc_chunk``: all segments
+  of the chunk at once, one scatter of its checkpoints);
+* **per segment**: the same layer with ``MCMemory.chunked = False`` called once per segment,
+  the way a prefill ran when the runner cut chunks at segment boundaries (the cached set grows
+  by one checkpoint per call).
+
+Both give the same outputs (``tests/test_mc_chunk.py``). Samples of the two are interleaved
+(``common.timeit_many``), so the ratio holds on a loaded machine even when the seconds drift.
+
+    python bench/prefill.py                 # chunk 2048, N in 0 128 480 (about a minute)
+    python bench/prefill.py --quick         # CI smoke
+
+Prints a table and writes ``bench/results/prefill.json`` (``--quick``: ``tmp_prefill_quick.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import env_info, env_line, print_table, set_threads, timeit_many, write_json  # noqa: E402
+
+from mcserve.config import MCConfig  # noqa: E402
+from mcserve.models.mc import MCMemory  # noqa: E402
+from mcserve.models.memory.linear import LinearMemory  # noqa: E402
+
+H, K, V, C = 4, 64, 64, 64
+VARIANTS = {"grm": dict(variant="grm"), "ssc8": dict(variant="ssc", top_k=8),
+            "post": dict(variant="post", mode="independent")}
+
+
+def make_case(variant: str, n_cached: int, T: int, seed: int = 0):
+    """The layer, its state after ``n_cached`` segments and the chunk's inputs."""
+    g = torch.Generator().manual_seed(seed)
+    mc = MCMemory(LinearMemory(), MCConfig(segment_len=C, **VARIANTS[variant]))
+    st = mc.init_state(1, H, K, V, dtype=torch.float32, device="cpu")
+    for i in range(n_cached):  # cached checkpoints as the engine's load_state hands them over
+        st.seg_ksum = torch.randn(1, H, K, generator=g)
+        st.mem = {"S": torch.randn(1, H, K, V, generator=g) * 0.1}
+        st.seg_len, st.pos = C, (i + 1) * C
+        mc.push(st, None)
+    x = [torch.randn(1, T, H, K, generator=g) for _ in range(3)]
+    q, k, u = x[0], x[1] / K ** 0.5, x[2]
+    v = torch.randn(1, T, H, V, generator=g)
+    gates = {"log_a": -torch.rand(1, T, H, generator=g) * 0.1,
+             "b": torch.rand(1, T, H, generator=g)}
+    return mc, st, (q, k, v, u, gates)
+
+
+def one_pass(mc: MCMemory, st, inputs) -> None:
+    mc.chunked = True
+    mc.forward(st, *inputs)
+
+
+def per_segment(mc: MCMemory, st, inputs) -> None:
+    mc.chunked = False
+    q, k, v, u, gates = inputs
+    for p in range(0, q.shape[1], C):
+        sl = slice(p, p + C)
+        _, st = mc.forward(st, q[:, sl], k[:, sl], v[:, sl], u[:, sl],
+                           {n: g[:, sl] for n, g in gates.items()})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunk", type=int, default=2048, help="tokens of the prefill chunk")
+    ap.add_argument("--cached", type=int, nargs="+", default=[0, 128, 480],
+                    help="cached checkpoints before the chunk")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    ap.add_argument("--quick", action="store_true", help="chunk 256, N 0 8 (CI smoke)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.chunk, args.cached, args.repeats = 256, [0, 8], 3
+    threads = set_threads(args.threads)
+    env = env_info()
+    print(env_line(env), f"threads {threads}")
+    rows, results = [], []
+    with torch.no_grad():
+        for n in args.cached:
+            for variant in args.variants:
+                case = make_case(variant, n, args.chunk)
+                t = timeit_many({"one_pass": functools.partial(one_pass, *case),
+                                 "per_segment": functools.partial(per_segment, *case)},
+                                repeats=args.repeats, warmup=1, min_sample_s=0.0)
+                a, b = t["one_pass"]["median"], t["per_segment"]["median"]
+                rows.append([n, variant, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{a / b:.2f}"])
+                results.append({"cached": n, "variant": variant, "chunk": args.chunk,
+                                "one_pass": t["one_pass"], "per_segment": t["per_segment"],
+                                "ratio": a / b})
+    print_table(rows, ["cached N", "variant", "one pass ms", "per segment ms", "ratio"],
+                title=f"MC layer prefill of {args.chunk} tokens (H={H}, K=V={K}, C={C}), median")
+    data = {"env": env, "threads": threads, "args": vars(args), "results": results}
+    write_json(data, "tmp_prefill_quick.json" if args.quick else "prefill.json")
+    return data
+
+
+if __name__ == "__main__":
+    main()
