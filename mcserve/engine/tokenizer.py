@@ -248,7 +248,9 @@ class Tokenizer:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         if self._backend is None:
             return list(text.encode("utf-8"))
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (a lone encode does not): a long prompt
+        # tokenized on a worker thread then leaves the server's event loop free
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens:
             bos, eos = self.bos_token_id, self.eos_token_id
             if self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
@@ -262,7 +264,7 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         if self._backend is None:
             return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     # --- chat ----------------------------------------------------------------------------------
 
