@@ -74,14 +74,30 @@ def paged_mc_decode_linear(q: Tensor, u: Tensor, o_online: Tensor, p_online: Ten
                            table: Tensor, pool_S: Tensor, ksum_pool: Tensor, *, variant: str,
                            segment_len: int, top_k: int = 2, n_seg: Tensor | None = None,
                            state_table: Tensor | None = None, out: Tensor | None = None,
-                           row_top_k: Tensor | None = None, backend: str | None = None
-                           ) -> Tensor:
-    """See ``twins.paged_mc_decode_linear_torch``."""
+                           row_top_k: Tensor | None = None, backend: str | None = None,
+                           impl: str | None = None) -> Tensor:
+    """See ``twins.paged_mc_decode_linear_torch``.
+
+    ``impl`` picks the Triton kernel: ``"single"`` (one launch, one program per row, head and
+    V tile walking the row's blocks), ``"split"`` (the blocks split across programs, then a
+    log-sum-exp merge: ``triton/split.py``), None = ``split.use_split`` on the shapes (small
+    batch × many blocks, softmax or fixed-weight variants). Ignored by the other backends.
+    """
     kw = dict(variant=variant, segment_len=segment_len, top_k=top_k, n_seg=n_seg,
               state_table=state_table, out=out, row_top_k=row_top_k)
+    if impl not in (None, "single", "split"):
+        raise ValueError(f"impl must be 'single', 'split' or None, got {impl!r}")
     b = _resolve(backend, q)
     if b == "triton":
-        from mcserve.kernels.triton.decode import paged_mc_decode_linear as fn
+        from mcserve.kernels.triton import split
+
+        if impl is None:
+            impl = ("split" if split.use_split(q.shape[0], q.shape[1], o_online.shape[-1],
+                                               table.shape[-1], variant) else "single")
+        if impl == "split":
+            fn = split.paged_mc_decode_linear_split
+        else:
+            from mcserve.kernels.triton.decode import paged_mc_decode_linear as fn
     elif b == "torch":
         fn = twins.paged_mc_decode_linear_torch
     else:
@@ -110,15 +126,25 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
                          initial_ksum: Tensor | None = None, output_final_state: bool = True,
                          block_ids: Tensor | None = None, state_pool: Tensor | None = None,
                          ksum_pool: Tensor | None = None, out: Tensor | None = None,
-                         chunk_size: int = 64, backend: str | None = None
-                         ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """See ``twins.chunk_linear_prefill_torch``."""
+                         chunk_size: int = 64, backend: str | None = None,
+                         impl: str = "chunk") -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """See ``twins.chunk_linear_prefill_torch``.
+
+    ``impl`` picks the Triton kernel: ``"chunk"`` (chunk-parallel: chunk states, a short scan
+    over chunk boundaries, chunk outputs; ``triton/chunk.py``) or ``"scan"`` (one program per
+    sequence, head and V tile walking its chunks in order; ``triton/prefill.py``). Ignored by
+    the other backends.
+    """
     kw = dict(segment_len=segment_len, cu_seqlens=cu_seqlens, mode=mode,
               initial_seg_len=initial_seg_len, initial_ksum=initial_ksum,
               output_final_state=output_final_state, block_ids=block_ids,
               state_pool=state_pool, ksum_pool=ksum_pool, out=out, chunk_size=chunk_size)
+    if impl not in ("chunk", "scan"):
+        raise ValueError(f"impl must be 'chunk' or 'scan', got {impl!r}")
     bk = _resolve(backend, q)
-    if bk == "triton":
+    if bk == "triton" and impl == "chunk":
+        from mcserve.kernels.triton.chunk import chunk_linear_prefill_chunked as fn
+    elif bk == "triton":
         from mcserve.kernels.triton.prefill import chunk_linear_prefill as fn
     elif bk == "torch":
         fn = twins.chunk_linear_prefill_torch
