@@ -192,3 +192,230 @@ def test_chunk_layout_cuts_at_boundaries():
     with pytest.raises(ValueError, match="impl"):
         dispatch.chunk_linear_prefill(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1),
                                       torch.zeros(1, 1, 1, 1), segment_len=2, impl="bogus")
+
+
+# ------------------------------------------------------------------------------ fused decode
+
+
+def _fused_case(seed, *, layout, B, H, K, V, G=None, W=4, variant="grm", lens=None,
+                dtype=torch.float64, conv_bias=True, u=False, gate_mode="sigmoid",
+                D=None, norm="head", norm_before_gate=True, row_top_k=None, top_k=2):
+    """Inputs of ``fused_linear_decode`` for a native-like (q, k, v per head) or a Mamba2-like
+    (x per head, B/C shared by groups of heads) layout; cached blocks as in ``_decode_case``."""
+    g = torch.Generator().manual_seed(seed)
+    G = H if G is None else G
+    lens = [3, 0, 5][:B] if lens is None else lens
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    if layout == "native":
+        offs = dict(q_offset=0, k_offset=G * K, v_offset=2 * G * K)
+    else:  # mamba2: x (H·V), B (G·K), C (G·K)
+        offs = dict(v_offset=0, k_offset=H * V, q_offset=H * V + G * K)
+    CC = H * V + 2 * G * K
+    kw = dict(offs, qk_heads=H // G, variant=variant, segment_len=4, top_k=top_k,
+              normalize_qk=layout == "native", gate_mode=gate_mode)
+    x = rnd(B, CC)
+    z = rnd(B, H * V)
+    S = rnd(B, H, K, V)
+    if W:
+        kw.update(conv_tail=rnd(B, W - 1, CC), conv_weight=rnd(CC, W) * 0.5,
+                  conv_bias=rnd(CC) * 0.1 if conv_bias else None)
+    if u:
+        kw["u"] = rnd(B, H, K)
+    if gate_mode == "softplus":
+        kw.update(dt=rnd(B, H), dt_bias=rnd(H) * 0.5, A_log=rnd(H) * 0.5, dt_min=0.05,
+                  dt_max=1.5, dt_scale=0.9)
+    elif gate_mode == "sigmoid":
+        kw.update(log_a=rnd(B, H), b=rnd(B, H), decay_scale=0.125)
+    else:
+        kw.update(log_a=-torch.rand(B, H, generator=g, dtype=dtype), b=None)
+    if D == "head":
+        kw["D"] = rnd(H)
+    elif D == "channel":
+        kw["D"] = rnd(H * V)
+    if norm == "head":
+        kw.update(norm_weight=rnd(V), norm_group=V)
+    elif norm == "all":  # one group over every head, a full weight
+        kw.update(norm_weight=rnd(H * V), norm_group=H * V)
+    elif norm == "groups":  # G groups of H/G heads, a weight repeated over groups
+        kw.update(norm_weight=rnd(H * V // G), norm_group=H * V // G)
+    if norm:
+        kw.update(norm_before_gate=norm_before_gate, norm_eps=1e-5)
+    if variant != "none":
+        kw.update(seg_ksum=rnd(B, H, K), seg_len=torch.randint(0, 3, (B,), generator=g),
+                  n_seg=torch.tensor(lens))
+    if variant in ("residual", "post"):
+        kw["csum"] = rnd(B, H, K, V)
+    if variant in ("grm", "soup", "ssc"):
+        _, _, _, _, table, pool, ksum = _decode_case(seed + 1, B, H, K, V, lens, dtype)
+        kw.update(table=table, pool_S=pool, ksum_pool=ksum)
+    if row_top_k is not None:
+        kw["row_top_k"] = torch.tensor(row_top_k)
+    kw = {n: (_d(t) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    return _d(x), _d(z), _d(S), kw
+
+
+def _run_fused(case, tol=None):
+    """Triton (NaN-filled out) and the twin on copies of the in-place buffers: y, S, the key
+    sum and the conv tail must agree."""
+    x, z, S, kw = case
+    inplace = ("conv_tail", "seg_ksum")
+    kw_a = {n: (t.clone() if n in inplace and t is not None else t) for n, t in kw.items()}
+    kw_b = {n: (t.clone() if n in inplace and t is not None else t) for n, t in kw.items()}
+    S_a, S_b = S.clone(), S.clone()
+    H, V = S.shape[1], S.shape[3]
+    out = torch.full((x.shape[0], H * V), NAN, dtype=x.dtype, device=DEV)
+    y_a = dispatch.fused_linear_decode(x, z, S_a, backend="triton", out=out, **kw_a)
+    assert y_a is out
+    y_b = dispatch.fused_linear_decode(x, z, S_b, backend="torch", **kw_b)
+    tol = tol or TOL[x.dtype]
+    assert _rel(y_a, y_b) < tol
+    assert _rel(S_a, S_b) < tol and not torch.equal(S_b, S)  # updated in place
+    for n in inplace:
+        if kw.get(n) is not None:
+            assert _rel(kw_a[n], kw_b[n]) < tol, n
+            assert not torch.equal(kw_b[n], kw[n]), n
+    return y_a
+
+
+FUSED = [
+    # native: conv, q/k L2 norm, learned u, sigmoid gates, per-head norm before the gate
+    pytest.param(dict(layout="native", B=3, H=2, K=5, V=6, u=True), id="native-grm-u"),
+    pytest.param(dict(layout="native", B=3, H=2, K=5, V=6, variant="soup", dtype=torch.float32),
+                 id="native-soup-f32"),
+    pytest.param(dict(layout="native", B=4, H=2, K=4, V=3, variant="ssc", W=0, top_k=3,
+                      gate_mode="given", lens=[5, 4, 0, 3], row_top_k=[1, 3, 2, 0]),
+                 id="native-ssc-rowk-noconv"),
+    pytest.param(dict(layout="native", B=2, H=3, K=4, V=4, variant="ssc", top_k=2,
+                      lens=[5, 1]), id="native-ssc"),
+    pytest.param(dict(layout="native", B=2, H=2, K=3, V=5, variant="post", lens=[2, 0]),
+                 id="native-post"),
+    pytest.param(dict(layout="native", B=2, H=2, K=3, V=5, variant="residual", lens=[2, 0],
+                      dtype=torch.float32), id="native-residual-f32"),
+    # mamba2: one B/C group over 3 heads (tail of B/C shifted by launch 2), softplus gates,
+    # D per head, gated norm over all heads (launch 2)
+    pytest.param(dict(layout="mamba2", B=3, H=3, K=4, V=5, G=1, gate_mode="softplus",
+                      D="head", norm="all", norm_before_gate=False), id="mamba2-grm-g1"),
+    pytest.param(dict(layout="mamba2", B=2, H=4, K=3, V=5, G=2, gate_mode="softplus",
+                      D="channel", norm="groups", variant="ssc", lens=[4, 2],
+                      dtype=torch.float32), id="mamba2-ssc-g2-f32"),
+    # mamba2 without MC: the plain SSM step, y·silu(z) without a norm, one launch
+    pytest.param(dict(layout="mamba2", B=2, H=2, K=4, V=3, G=2, gate_mode="softplus",
+                      D="head", norm=None, variant="none"), id="mamba2-none"),
+    pytest.param(dict(layout="mamba2", B=2, H=2, K=4, V=3, G=1, gate_mode="softplus",
+                      norm="all", norm_before_gate=True, variant="none", conv_bias=False),
+                 id="mamba2-none-g1-normfirst"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("cfg", FUSED)
+def test_fused_decode_matches_twin(cfg):
+    _run_fused(_fused_case(50, **cfg))
+
+
+# ------------------------------------------------------------------------------ twin == mixers
+
+
+def _pl_for(mem_S, conv, H, K, lens, seed, dtype=torch.float64):
+    from mcserve.models.mc import PagedLayer
+
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    _, _, _, _, table, pool, ksum = _decode_case(seed, B, H, K, mem_S.shape[-1], lens, dtype)
+    pool = torch.nan_to_num(pool.cpu())  # the torch path gathers every row it is given
+    return PagedLayer(mem={"S": mem_S}, conv=conv,
+                      seg_ksum=torch.randn(B, H, K, generator=g, dtype=dtype),
+                      seg_len=torch.randint(0, 3, (B,), generator=g), n_seg=torch.tensor(lens),
+                      csum=None, table=table.cpu(), pool={"S": pool},
+                      ksum_pool=torch.nan_to_num(ksum.cpu()), inplace=True)
+
+
+def _randomize(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+
+
+@pytest.mark.parametrize("variant,G", [("grm", 1), ("ssc", 2), ("none", 2)])
+def test_fused_twin_is_the_mamba2_mixer_step(variant, G):
+    # Mamba2Mixer.forward_paged (the engine's torch decode path) == in_proj → twin → out_proj
+    from mcserve.kernels import cpu as cpu_ops
+    from mcserve.models.mamba2 import Mamba2Config, Mamba2Mixer
+
+    cfg = Mamba2Config(d_model=12, n_heads=4, head_dim=3, state_size=5, n_groups=G,
+                       mc_variant=variant, segment_len=4, time_step_limit=(0.05, 2.0),
+                       delta_scale=0.8, d_has_hdim=G == 2)
+    m = Mamba2Mixer(cfg, 0).double()
+    _randomize(m, 1)
+    B, H, P, N = 2, 4, 3, 5
+    g = torch.Generator().manual_seed(2)
+    S = torch.randn(B, H, N, P, generator=g, dtype=torch.float64)
+    conv = torch.randn(B, 3, cfg.conv_dim, generator=g, dtype=torch.float64)
+    pl = _pl_for(S.clone(), conv.clone(), H, N, [3, 1], 3)
+    ks0 = pl.seg_ksum.clone()
+    x = torch.randn(B, 1, 12, generator=g, dtype=torch.float64)
+    with torch.no_grad(), cpu_ops.twins_only():
+        want = m.forward_paged(x, pl)
+        z, xbc, dt = m.in_proj(x[:, 0]).split([cfg.d_inner, cfg.conv_dim, H], dim=-1)
+        S2, conv2, ks2 = S.clone(), conv.clone(), ks0.clone()
+        kw = dict(seg_ksum=ks2, seg_len=pl.seg_len, n_seg=pl.n_seg, table=pl.table,
+                  pool_S=pl.pool["S"], ksum_pool=pl.ksum_pool) if variant != "none" else {}
+        y = twins.fused_linear_decode_torch(
+            xbc, z, S2, v_offset=0, k_offset=cfg.d_inner, q_offset=cfg.d_inner + G * N,
+            qk_heads=H // G, conv_tail=conv2, conv_weight=m.conv1d.weight[:, 0],
+            conv_bias=m.conv1d.bias, gate_mode="softplus", dt=dt, dt_bias=m.dt_bias,
+            A_log=m.A_log, dt_min=0.05, dt_max=2.0, dt_scale=0.8, D=m.D,
+            norm_weight=m.norm.weight, norm_group=cfg.d_inner // G, norm_eps=m.norm.eps,
+            norm_before_gate=cfg.norm_before_gate, variant=variant, segment_len=4,
+            top_k=cfg.mc_top_k, **kw)
+        got = m.out_proj(y)[:, None]
+    assert _rel(got, want) < 1e-12
+    assert _rel(S2, pl.mem["S"]) < 1e-12 and torch.equal(conv2, pl.conv)
+    if variant != "none":
+        assert _rel(ks2, pl.seg_ksum) < 1e-12
+
+
+@pytest.mark.parametrize("variant", ["grm", "ssc", "post"])
+def test_fused_twin_is_the_native_mixer_step(variant):
+    # MCMixer.forward_paged (native model) == stacked projection → twin → o_proj
+    from mcserve.config import ModelConfig
+    from mcserve.kernels import cpu as cpu_ops
+    from mcserve.models.native import MCMixer
+
+    H, K = 2, 4
+    cfg = ModelConfig(d_model=12, n_heads=H, head_dim=K, mc_variant=variant, segment_len=4,
+                      mc_top_k=1)
+    m = MCMixer(cfg, 0).double()
+    _randomize(m, 4)
+    B = 3
+    g = torch.Generator().manual_seed(5)
+    S = torch.randn(B, H, K, K, generator=g, dtype=torch.float64)
+    conv = torch.randn(B, 3, 3 * H * K, generator=g, dtype=torch.float64)
+    pl = _pl_for(S.clone(), conv.clone(), H, K, [3, 0, 2], 6)
+    csum = torch.randn(B, H, K, K, generator=g, dtype=torch.float64)
+    if variant == "post":
+        pl.csum = {"S": csum}
+    ks0 = pl.seg_ksum.clone()
+    x = torch.randn(B, 1, 12, generator=g, dtype=torch.float64)
+    with torch.no_grad(), cpu_ops.twins_only():
+        want = m.forward_paged(x, pl)
+        w, bias = m._decode_weights()
+        HK = H * K
+        parts = torch.nn.functional.linear(x[:, 0], w, bias)
+        has_u = m.u_proj is not None  # routing variants without share_uq
+        qkv, *u, gz, raw = parts.split([3 * HK] + [HK] * has_u + [HK, 2 * H], dim=-1)
+        S2, conv2, ks2 = S.clone(), conv.clone(), ks0.clone()
+        y = twins.fused_linear_decode_torch(
+            qkv, gz, S2, q_offset=0, k_offset=HK, v_offset=2 * HK, conv_tail=conv2,
+            conv_weight=m.conv.weight[:, 0], normalize_qk=True,
+            u=u[0].view(B, H, K) if has_u else None, gate_mode="sigmoid",
+            log_a=raw[:, :H], b=raw[:, H:], decay_scale=1 / 8, norm_weight=m.out_norm.weight,
+            norm_group=K, norm_eps=m.out_norm.eps, norm_before_gate=True, variant=variant,
+            segment_len=4, top_k=1, seg_ksum=ks2, seg_len=pl.seg_len, n_seg=pl.n_seg,
+            table=pl.table, pool_S=pl.pool["S"], ksum_pool=pl.ksum_pool,
+            csum=csum if variant == "post" else None)
+        got = m.o_proj(y)[:, None]
+    assert _rel(got, want) < 1e-12
+    assert _rel(S2, pl.mem["S"]) < 1e-12 and torch.equal(conv2, pl.conv)
+    assert _rel(ks2, pl.seg_ksum) < 1e-12

@@ -28,7 +28,7 @@ from mcserve.kernels.triton import twins
 BACKENDS = ("reference", "torch", "triton")
 
 __all__ = ["BACKENDS", "get_backend", "triton_available", "paged_mc_decode_linear",
-           "ssc_router", "chunk_linear_prefill", "mc_linear"]
+           "ssc_router", "chunk_linear_prefill", "fused_linear_decode", "mc_linear"]
 
 
 @lru_cache(maxsize=1)
@@ -151,6 +151,19 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
     else:
         fn = twins.chunk_linear_prefill_reference
     return fn(q, k, v, log_a, b, initial_state, **kw)
+
+
+def fused_linear_decode(x: Tensor, z: Tensor | None, S: Tensor, *, backend: str | None = None,
+                        **kw) -> Tensor:
+    """See ``twins.fused_linear_decode_torch`` (keyword arguments as there). The Triton kernel
+    is ``triton/fused.py``; the ``reference`` backend takes the torch twin too (it is written
+    op by op after the mixers' own decode path)."""
+    bk = _resolve(backend, x)
+    if bk == "triton":
+        from mcserve.kernels.triton.fused import fused_linear_decode as fn
+    else:
+        fn = twins.fused_linear_decode_torch
+    return fn(x, z, S, **kw)
 
 
 def mc_linear(q: Tensor, k: Tensor, v: Tensor, u: Tensor, a: Tensor | None = None,

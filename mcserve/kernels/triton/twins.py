@@ -38,6 +38,7 @@ __all__ = [
     "paged_mc_decode_linear_torch", "paged_mc_decode_linear_reference",
     "ssc_router_torch", "ssc_router_reference",
     "chunk_linear_prefill_torch", "chunk_linear_prefill_reference",
+    "FUSED_VARIANTS", "fused_linear_decode_torch",
 ]
 
 
@@ -527,3 +528,218 @@ def chunk_linear_prefill_reference(
                          initial_ksum=initial_ksum, output_final_state=output_final_state,
                          block_ids=block_ids, state_pool=state_pool, ksum_pool=ksum_pool,
                          out=out, chunk_size=chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. fused per-layer decode of the gated linear memory (native mixer, Mamba2 mixer)
+# ---------------------------------------------------------------------------------------------
+
+FUSED_VARIANTS = ("none", "residual", "post", "grm", "soup", "ssc")
+GATE_MODES = ("given", "sigmoid", "softplus")
+
+
+def check_fused_args(x: Tensor, z: Tensor | None, S: Tensor, *, q_offset: int, k_offset: int,
+                     v_offset: int, qk_heads: int, conv_tail, conv_weight, conv_bias, u,
+                     gate_mode: str, log_a, b, dt, dt_bias, A_log, D, norm_weight,
+                     norm_group: int | None, variant: str, segment_len: int, top_k: int,
+                     seg_ksum, seg_len, n_seg, table, state_table, pool_S, ksum_pool, csum,
+                     row_top_k) -> dict:
+    """Validate ``fused_linear_decode``'s arguments; return the sizes it uses."""
+    if S.dim() != 4:
+        raise ValueError(f"S must be (B, H, K, V), got {tuple(S.shape)}")
+    B, H, K, V = S.shape
+    if x.dim() != 2 or x.shape[0] != B:
+        raise ValueError(f"x must be (B, channels) with B={B}, got {tuple(x.shape)}")
+    CC = x.shape[1]
+    if qk_heads < 1 or H % qk_heads:
+        raise ValueError(f"qk_heads ({qk_heads}) must divide the number of heads ({H})")
+    G = H // qk_heads  # q/k groups
+    spans = sorted([(v_offset, H * V), (q_offset, G * K), (k_offset, G * K)])
+    pos = 0
+    for start, n in spans:  # the q, k and v channels tile [0, CC) exactly
+        if start != pos:
+            raise ValueError(f"q ({q_offset}), k ({k_offset}) and v ({v_offset}) channel ranges "
+                             f"must tile the {CC} channels of x without gaps or overlaps")
+        pos += n
+    if pos != CC:
+        raise ValueError(f"x has {CC} channels, q/k/v cover {pos}")
+    if (conv_tail is None) != (conv_weight is None):
+        raise ValueError("conv_tail and conv_weight go together")
+    if conv_tail is not None:
+        W = conv_weight.shape[-1]
+        if conv_weight.shape != (CC, W) or conv_tail.shape != (B, W - 1, CC) or W < 2:
+            raise ValueError(f"conv_weight must be ({CC}, W) and conv_tail (B, W - 1, {CC}) with "
+                             f"W ≥ 2, got {tuple(conv_weight.shape)}, {tuple(conv_tail.shape)}")
+        if conv_bias is not None and conv_bias.shape != (CC,):
+            raise ValueError(f"conv_bias must be ({CC},)")
+    if u is not None and u.shape != (B, H, K):
+        raise ValueError(f"u must be (B, H, K) = {(B, H, K)}, got {tuple(u.shape)}")
+    if gate_mode not in GATE_MODES:
+        raise ValueError(f"gate_mode must be one of {GATE_MODES}, got {gate_mode!r}")
+    if gate_mode == "softplus":
+        if dt is None or dt_bias is None or A_log is None or log_a is not None or b is not None:
+            raise ValueError("gate_mode='softplus' takes dt, dt_bias and A_log (no log_a / b)")
+        gates = (("dt", dt),)
+        if dt_bias.shape != (H,) or A_log.shape != (H,):
+            raise ValueError(f"dt_bias and A_log must be ({H},)")
+    else:
+        if dt is not None:
+            raise ValueError("dt is for gate_mode='softplus'")
+        gates = (("log_a", log_a), ("b", b))
+    for name, g in gates:
+        if g is not None and g.shape != (B, H):
+            raise ValueError(f"{name} must be (B, H) = {(B, H)}, got {tuple(g.shape)}")
+    if D is not None and D.shape not in ((H,), (H * V,)):
+        raise ValueError(f"D must be ({H},) or ({H * V},), got {tuple(D.shape)}")
+    if z is not None and z.shape != (B, H * V):
+        raise ValueError(f"z must be (B, H·V) = {(B, H * V)}, got {tuple(z.shape)}")
+    GS = norm_group or V
+    if norm_weight is not None:
+        if GS % V or (H * V) % GS:
+            raise ValueError(f"norm_group ({GS}) must be a multiple of V ({V}) dividing H·V")
+        if norm_weight.shape not in ((GS,), (H * V,)):
+            raise ValueError(f"norm_weight must be ({GS},) or ({H * V},)")
+    if variant not in FUSED_VARIANTS:
+        raise ValueError(f"variant must be one of {FUSED_VARIANTS}, got {variant!r}")
+    if variant != "none":
+        if seg_ksum is None or seg_ksum.shape != (B, H, K):
+            raise ValueError(f"variant {variant!r} needs seg_ksum (B, H, K) = {(B, H, K)}")
+    if variant == "post" and (n_seg is None or n_seg.shape != (B,)):
+        raise ValueError("variant 'post' needs n_seg (B,)")
+    if variant in ("residual", "post") and csum is not None and csum.shape != S.shape:
+        raise ValueError(f"csum must have S's shape {tuple(S.shape)}")
+    if variant in ("grm", "soup", "ssc"):
+        if seg_len is None or seg_len.shape != (B,):
+            raise ValueError(f"variant {variant!r} needs seg_len (B,)")
+        if table is None or pool_S is None or ksum_pool is None:
+            raise ValueError(f"variant {variant!r} needs table, pool_S and ksum_pool")
+        q0 = S.new_empty(B, H, K)
+        check_decode_args(q0, q0, S.new_empty(B, H, V), q0, table, pool_S, ksum_pool, variant,
+                          segment_len, top_k, None, state_table, row_top_k)
+    return dict(B=B, H=H, K=K, V=V, CC=CC, G=G, GS=GS)
+
+
+def fused_linear_decode_torch(
+    x: Tensor, z: Tensor | None, S: Tensor, *, q_offset: int, k_offset: int, v_offset: int,
+    qk_heads: int = 1, conv_tail: Tensor | None = None, conv_weight: Tensor | None = None,
+    conv_bias: Tensor | None = None, normalize_qk: bool = False, u: Tensor | None = None,
+    gate_mode: str = "given", log_a: Tensor | None = None, b: Tensor | None = None,
+    decay_scale: float = 1.0, dt: Tensor | None = None, dt_bias: Tensor | None = None,
+    A_log: Tensor | None = None, dt_min: float = 0.0, dt_max: float = math.inf,
+    dt_scale: float = 1.0, D: Tensor | None = None, norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6, norm_group: int | None = None, norm_before_gate: bool = False,
+    variant: str = "none", segment_len: int = 1, top_k: int = 2,
+    seg_ksum: Tensor | None = None, seg_len: Tensor | None = None, n_seg: Tensor | None = None,
+    table: Tensor | None = None, state_table: Tensor | None = None,
+    pool_S: Tensor | None = None, ksum_pool: Tensor | None = None, csum: Tensor | None = None,
+    row_top_k: Tensor | None = None, out: Tensor | None = None,
+) -> Tensor:
+    """One decode token per row through a gated-linear-memory mixer, from its projections to
+    the gated, normalised output (what ``o_proj`` / ``out_proj`` reads).
+
+    x ``(B, CC)``: the token's conv-input channels (pre-conv): v of head h at channels
+    ``v_offset + h·V``, q and k of q/k group g (``qk_heads`` heads share one: Mamba2's B/C) at
+    ``q_offset + g·K`` / ``k_offset + g·K``; the three ranges tile ``[0, CC)``. Steps:
+
+    1. conv (when ``conv_tail (B, W-1, CC)``, ``conv_weight (CC, W)``, ``conv_bias`` are
+       given): depthwise causal conv over the tail and x, + bias, SiLU; the tail drops its
+       oldest input and takes x, in place. Without a conv x is used as is;
+    2. q, k L2-normalised per head (``normalize_qk``: x / max(‖x‖, 1e-12)); u = ``u (B, H, K)``
+       or q;
+    3. gates ``(B, H)``: ``given`` (log_a, b as passed, None = 1), ``sigmoid`` (log_a =
+       ``decay_scale``·logsigmoid(log_a), b = sigmoid(b): the native model), ``softplus``
+       (Δ = clamp(softplus(dt + dt_bias), dt_min, dt_max)·dt_scale, log_a = −Δ·exp(A_log),
+       b = Δ: Mamba2);
+    4. S ``(B, H, K, V)`` ← a·S + b·k vᵀ in place, o = Sᵀq; MC by ``variant``: ``none`` y = o;
+       ``residual``/``post`` (collapsed): y = w·(o + csumᵀq), w = 1 or 1/(n_seg + 1), csum
+       ``(B, H, K, V)`` the sum of the cached states (None: none cached); ``grm``/``soup``/
+       ``ssc``: y = ``paged_mc_decode_linear_torch(q, u, o, p_on, table, …)`` with p_on =
+       (seg_ksum + k)/(seg_len + 1). Every variant but ``none`` advances ``seg_ksum += k`` in
+       place (seg_len and pushes stay with the caller);
+    5. y += D·v (``D`` ``(H,)`` or ``(H·V,)``);
+    6. output gate and norm over groups of ``norm_group`` channels (default V: per head):
+       without ``norm_weight`` y·silu(z); with it, RMSNorm(y)·w·silu(z) when
+       ``norm_before_gate`` (the native model), else RMSNorm(y·silu(z))·w (Mamba2);
+       ``norm_weight`` ``(norm_group,)`` (repeated over groups) or ``(H·V,)``; z None: no gate.
+
+    Returns y ``(B, H·V)`` in x's dtype (written into ``out`` when given); computed in float32
+    at least.
+    """
+    dims = check_fused_args(
+        x, z, S, q_offset=q_offset, k_offset=k_offset, v_offset=v_offset, qk_heads=qk_heads,
+        conv_tail=conv_tail, conv_weight=conv_weight, conv_bias=conv_bias, u=u,
+        gate_mode=gate_mode, log_a=log_a, b=b, dt=dt, dt_bias=dt_bias, A_log=A_log, D=D,
+        norm_weight=norm_weight, norm_group=norm_group, variant=variant,
+        segment_len=segment_len, top_k=top_k, seg_ksum=seg_ksum, seg_len=seg_len, n_seg=n_seg,
+        table=table, state_table=state_table, pool_S=pool_S, ksum_pool=ksum_pool, csum=csum,
+        row_top_k=row_top_k)
+    B, H, K, V, G, GS = (dims[n] for n in ("B", "H", "K", "V", "G", "GS"))
+    dt_ = torch.promote_types(x.dtype, torch.float32)
+    up = lambda t: None if t is None else t.to(dt_)  # noqa: E731
+    xa = up(x)
+    if conv_tail is not None:
+        full = torch.cat([up(conv_tail), xa[:, None]], dim=1)  # (B, W, CC)
+        xa = (full * up(conv_weight).t()).sum(1)
+        if conv_bias is not None:
+            xa = xa + up(conv_bias)
+        xa = torch.nn.functional.silu(xa)
+        conv_tail.copy_(full[:, 1:].to(conv_tail.dtype))
+    rep = H // G
+    q = xa[:, q_offset:q_offset + G * K].reshape(B, G, K).repeat_interleave(rep, 1)  # (B,H,K)
+    k = xa[:, k_offset:k_offset + G * K].reshape(B, G, K).repeat_interleave(rep, 1)
+    v = xa[:, v_offset:v_offset + H * V].reshape(B, H, V)
+    if normalize_qk:
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    uu = q if u is None else up(u)
+    la_, b_ = up(log_a), up(b)
+    if gate_mode == "sigmoid":
+        la_ = None if la_ is None else torch.nn.functional.logsigmoid(la_) * decay_scale
+        b_ = None if b_ is None else torch.sigmoid(b_)
+    elif gate_mode == "softplus":
+        delta = torch.nn.functional.softplus(up(dt) + up(dt_bias)).clamp(dt_min, dt_max)
+        delta = delta * dt_scale
+        la_, b_ = -delta * torch.exp(up(A_log)), delta
+    # the online step, in place
+    Sw = up(S)
+    if la_ is not None:
+        Sw = Sw * la_.exp()[..., None, None]
+    kb = k if b_ is None else k * b_[..., None]
+    Sw = Sw + kb[..., :, None] * v[..., None, :]  # (B, H, K, V)
+    S.copy_(Sw.to(S.dtype))
+    o = torch.einsum("bhk,bhkv->bhv", q, Sw)
+    if variant == "none":
+        y = o
+    else:
+        cum = up(seg_ksum) + k
+        seg_ksum.copy_(cum.to(seg_ksum.dtype))
+        if variant in ("residual", "post"):
+            y = o if csum is None else o + torch.einsum("bhk,bhkv->bhv", q, up(csum))
+            if variant == "post":
+                y = y / (n_seg.to(dt_) + 1.0)[:, None, None]
+        else:
+            p_on = cum / (seg_len.to(dt_) + 1.0)[:, None, None]
+            y = paged_mc_decode_linear_torch(q, uu, o, p_on, table, pool_S, ksum_pool,
+                                             variant=variant, segment_len=segment_len,
+                                             top_k=top_k, state_table=state_table,
+                                             row_top_k=row_top_k)
+    if D is not None:
+        y = y + v * (up(D).view(H, V) if D.numel() == H * V else up(D)[:, None])
+    y = y.reshape(B, H * V)
+    zz = None if z is None else torch.nn.functional.silu(up(z))
+    if norm_weight is None:
+        if zz is not None:
+            y = y * zz
+    else:
+        if zz is not None and not norm_before_gate:
+            y = y * zz
+        y = torch.nn.functional.rms_norm(y.view(B, -1, GS), (GS,), eps=norm_eps).view(B, -1)
+        w = up(norm_weight)
+        y = y * (w if w.numel() == H * V else w.repeat(H * V // GS))
+        if zz is not None and norm_before_gate:
+            y = y * zz
+    y = y.to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
