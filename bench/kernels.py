@@ -1,10 +1,12 @@
 """Timings of the Triton kernels against their torch twins and the memory-bandwidth floor.
 
-On a CUDA machine, for each kernel (paged MC decode readout for grm/ssc, the ssc router, the
-chunked linear prefill with segment checkpoints) and a few sizes, it times the Triton kernel and
-its torch twin with ``triton.testing.do_bench`` (median ms), computes the bytes the kernel must
-at least move (every input read once, every output written once) and prints the achieved
-bandwidth as a fraction of the card's peak (the floor time = bytes / peak bandwidth). Results go
+On a CUDA machine, for each kernel (paged MC decode readout for grm/ssc, its split-N form, the
+ssc router, the chunk-parallel and the sequence-walking linear prefill with segment checkpoints,
+the fused per-layer decode of a native-like and a Mamba2-like mixer) and a few sizes, it times
+the Triton kernel, its torch twin and, where one exists, the kernel it replaces (``old_ms``)
+with ``triton.testing.do_bench`` (median ms), computes the bytes the kernel must at least move
+(every input read once, every output written once) and prints the achieved bandwidth as a
+fraction of the card's peak (the floor time = bytes / peak bandwidth). Results go
 to ``bench/results/kernels.json`` (``--out`` to change). Without a CUDA device it says so and
 exits 0.
 
@@ -73,11 +75,39 @@ def _decode_inputs(B, H, K, V, N, dtype, dev):
     return q, u, o, p, table, pool, ksum
 
 
+def _fused_inputs(layout, B, H, K, V, N, dtype, dev):
+    """``fused_linear_decode`` arguments for one layer: ``native`` (q, k, v per head, conv,
+    sigmoid gates, learned u, per-head norm, grm over N blocks) or ``mamba2`` (B/C shared by
+    every head, softplus gates, D skip, one gated norm over all heads; grm over N blocks, the
+    plain SSM step when N = 0)."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    rnd = lambda *s: torch.randn(*s, device=dev, dtype=dtype, generator=g)  # noqa: E731
+    if layout == "native":
+        CC = 3 * H * K
+        kw = dict(q_offset=0, k_offset=H * K, v_offset=2 * H * K, normalize_qk=True,
+                  u=rnd(B, H, K), gate_mode="sigmoid", log_a=rnd(B, H), b=rnd(B, H),
+                  decay_scale=0.125, norm_weight=rnd(V), norm_group=V, norm_before_gate=True)
+    else:
+        CC = H * V + 2 * K
+        kw = dict(v_offset=0, k_offset=H * V, q_offset=H * V + K, qk_heads=H,
+                  gate_mode="softplus", dt=rnd(B, H), dt_bias=rnd(H), A_log=rnd(H), D=rnd(H),
+                  norm_weight=rnd(H * V), norm_group=H * V)
+    kw.update(conv_tail=rnd(B, 3, CC), conv_weight=rnd(CC, 4), conv_bias=rnd(CC))
+    if N:
+        _, _, _, _, table, pool, ksum = _decode_inputs(B, H, K, V, N, dtype, dev)
+        kw.update(variant="grm", segment_len=64, seg_ksum=rnd(B, H, K),
+                  seg_len=torch.zeros(B, dtype=torch.long, device=dev), table=table,
+                  pool_S=pool, ksum_pool=ksum)
+    else:
+        kw["variant"] = "none"
+    return rnd(B, CC), rnd(B, H * V), rnd(B, H, K, V), kw
+
+
 def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
     import triton
     from triton.testing import do_bench
 
-    from mcserve.kernels.triton import decode, prefill, twins
+    from mcserve.kernels.triton import chunk, decode, fused, prefill, split, twins
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -86,22 +116,24 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
     elt = 4
     rows: list[dict] = []
 
-    def record(kernel, shape, fn_tri, fn_torch, nbytes):
+    def record(kernel, shape, fn_tri, fn_torch, nbytes, fn_old=None):
         ms_tri = do_bench(fn_tri)
         ms_torch = do_bench(fn_torch)
+        ms_old = None if fn_old is None else do_bench(fn_old)
         gbs = nbytes / (ms_tri * 1e-3) / 1e9
         row = dict(kernel=kernel, shape=shape, triton_ms=ms_tri, torch_ms=ms_torch,
-                   speedup=ms_torch / ms_tri, bytes=nbytes, triton_gbs=gbs,
+                   old_ms=ms_old, speedup=ms_torch / ms_tri, bytes=nbytes, triton_gbs=gbs,
                    floor_ms=None if peak is None else nbytes / (peak * 1e9) * 1e3,
                    frac_of_floor=None if peak is None else gbs / peak)
         rows.append(row)
         frac = "n/a" if peak is None else f"{row['frac_of_floor']:.2f}"
+        old = "" if ms_old is None else f"  old {ms_old:8.4f} ms"
         print(f"{kernel:<16} {shape:<40} triton {ms_tri:8.4f} ms  torch {ms_torch:8.4f} ms  "
-              f"x{row['speedup']:5.1f}  {gbs:7.1f} GB/s  floor-frac {frac}", flush=True)
+              f"x{row['speedup']:5.1f}  {gbs:7.1f} GB/s  floor-frac {frac}{old}", flush=True)
 
     H, K, V = 8, 64, 64
-    decode_sizes = [(1, 8), (64, 64)] if quick else [(1, 8), (1, 256), (64, 8), (64, 64),
-                                                      (256, 64)]
+    decode_sizes = [(1, 8), (64, 64)] if quick else [(1, 8), (1, 256), (1, 1024), (64, 8),
+                                                      (64, 64), (256, 64)]
     for B, N in decode_sizes:
         args = _decode_inputs(B, H, K, V, N, dtype, dev)
         for variant, top_k in (("grm", 2), ("ssc", 4)):
@@ -111,6 +143,13 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
                    lambda a=args, k=kw: decode.paged_mc_decode_linear(*a, **k),
                    lambda a=args, k=kw: twins.paged_mc_decode_linear_torch(*a, **k),
                    decode_bytes(B, H, K, V, n_read, elt, n_scored=N))
+        if B == 1 and N >= 64:  # the split over N against the single-launch kernel
+            kw = dict(variant="grm", segment_len=64)
+            record("decode-grm-split", f"B={B} N={N} H={H} K={K} V={V}",
+                   lambda a=args, k=kw: split.paged_mc_decode_linear_split(*a, **k),
+                   lambda a=args, k=kw: twins.paged_mc_decode_linear_torch(*a, **k),
+                   decode_bytes(B, H, K, V, N, elt),
+                   fn_old=lambda a=args, k=kw: decode.paged_mc_decode_linear(*a, **k))
         q, u, o, p, table, pool, ksum = args
         rkw = dict(segment_len=64, top_k=4)
         record("ssc-router", f"B={B} N={N} H={H} K={K} top_k=4",
@@ -127,10 +166,20 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
         la = -torch.rand(B, T, H, device=dev, dtype=dtype, generator=g) * 0.1
         bw = torch.rand(B, T, H, device=dev, dtype=dtype, generator=g)
         kw = dict(segment_len=C)
-        record("prefill", f"B={B} T={T} H={H} K={K} V={V} C={C}",
-               partial(prefill.chunk_linear_prefill, q, k, v, la, bw, **kw),
+        record("prefill-chunk", f"B={B} T={T} H={H} K={K} V={V} C={C}",
+               partial(chunk.chunk_linear_prefill_chunked, q, k, v, la, bw, **kw),
                partial(twins.chunk_linear_prefill_torch, q, k, v, la, bw, **kw),
-               prefill_bytes(B, T, H, K, V, C, elt))
+               prefill_bytes(B, T, H, K, V, C, elt),
+               fn_old=partial(prefill.chunk_linear_prefill, q, k, v, la, bw, **kw))
+    for layout, B, N in ([("native", 1, 64), ("mamba2", 64, 64)] if quick else
+                         [("native", 1, 64), ("native", 64, 64), ("native", 256, 64),
+                          ("mamba2", 1, 0), ("mamba2", 64, 64), ("mamba2", 256, 0)]):
+        x, z, S, kw = _fused_inputs(layout, B, H, K, V, N, dtype, dev)
+        n_read = N if kw["variant"] == "grm" else 0
+        record(f"fused-{layout}-{kw['variant']}", f"B={B} N={N} H={H} K={K} V={V}",
+               partial(fused.fused_linear_decode, x, z, S, **kw),
+               partial(twins.fused_linear_decode_torch, x, z, S, **kw),
+               decode_bytes(B, H, K, V, n_read + 2, elt, n_scored=N))  # + S in and out
     info = dict(card=name, date=_dt.datetime.now().isoformat(timespec="seconds"),
                 torch=torch.__version__, triton=triton.__version__, peak_gbs=peak,
                 dtype=str(dtype), rows=rows)

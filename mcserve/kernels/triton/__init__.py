@@ -3,11 +3,19 @@
 * ``paged_mc_decode_linear`` — MC readout of one decode token per row over blocks read in
   place from the pool through a block table (grm/soup/ssc/residual/post, linear family);
 * ``ssc_router`` — per row and head top-k over the cached blocks' key-sum scores;
+* ``paged_mc_decode_linear_split`` — the same readout split over the cached blocks (partial
+  readouts with their local max and sum of exponentials, then a log-sum-exp merge), for small
+  batches over many blocks;
 * ``chunk_linear_prefill`` — chunked gated linear attention that also writes the state and key
   sum at every segment boundary (straight into the block pool when block ids are given),
-  variable-length batches via ``cu_seqlens``.
+  variable-length batches via ``cu_seqlens``; ``chunk_linear_prefill_chunked`` is its
+  chunk-parallel form (chunk states, a scan over chunk boundaries, chunk outputs);
+* ``fused_linear_decode`` — one decode token per row through a gated-linear-memory mixer (the
+  native model's, Mamba2's) from its projections to the gated, normalised output: conv step,
+  gates, in-place state update, MC readout, D skip, output gate and RMSNorm.
 
-The Triton versions live in ``decode.py`` / ``prefill.py`` and need the ``triton`` package;
+The Triton versions live in ``decode.py`` / ``split.py`` / ``prefill.py`` / ``chunk.py`` /
+``fused.py`` and need the ``triton`` package;
 the torch twins (``*_torch``, same signatures) and plain reference loops (``*_reference``) live
 in ``twins.py`` and need only torch. Pick one per call with ``mcserve.kernels.dispatch``.
 """
@@ -18,6 +26,7 @@ from mcserve.kernels.triton.twins import (
     boundary_layout,
     chunk_linear_prefill_reference,
     chunk_linear_prefill_torch,
+    fused_linear_decode_torch,
     paged_mc_decode_linear_reference,
     paged_mc_decode_linear_torch,
     ssc_router_reference,
@@ -26,7 +35,7 @@ from mcserve.kernels.triton.twins import (
 
 __all__ = [
     "available", "boundary_layout",
-    "chunk_linear_prefill_reference", "chunk_linear_prefill_torch",
+    "chunk_linear_prefill_reference", "chunk_linear_prefill_torch", "fused_linear_decode_torch",
     "paged_mc_decode_linear_reference", "paged_mc_decode_linear_torch",
     "ssc_router_reference", "ssc_router_torch",
 ]
