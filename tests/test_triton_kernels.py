@@ -579,3 +579,32 @@ def test_bandwidth_floor_bytes():
     got = mod["decode_bytes"](B=2, H=4, K=8, V=8, n_read=3, elt=4)
     want = 4 * (2 * 4 * (3 * 8 * 8 + 3 * 8 + 3 * 8 + 2 * 8))
     assert got == want and math.isfinite(got)
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("triton", marks=needs_triton), "reference"])
+@pytest.mark.parametrize("variant,mode", [("grm", "checkpoint"), ("ssc", "independent"),
+                                          ("post", "independent")])
+@pytest.mark.parametrize("T", [13, 21])  # ends inside a segment / exactly on a boundary
+def test_mc_chunk_online_term_through_the_prefill_kernel(monkeypatch, backend, variant, mode, T):
+    """``mc_linear_chunk`` takes its online term and boundary states from
+    ``dispatch.chunk_linear_prefill`` on a kernel backend: same outputs as the torch fold."""
+    from mcserve.config import MCConfig
+    from mcserve.kernels.mc_chunk import mc_linear_chunk
+
+    g = torch.Generator().manual_seed(T)
+    B, H, K, V, C, f0 = 2, 3, 4, 5, 8, 3
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, device="cpu")  # noqa: E731
+    q, k, u, v = r(B, T, H, K), r(B, T, H, K) / 2, r(B, T, H, K), r(B, T, H, V)
+    log_a = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.3
+    b = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    N = 1 if variant == "post" else 3
+    st = dict(initial_state=r(B, H, K, V), initial_ksum=r(B, H, K), initial_fill=f0,
+              cached=r(B, N, H, K, V), cached_ksum=r(B, N, H, K), n_segments=3)
+    mc = MCConfig(variant=variant, mode=mode, segment_len=C, top_k=1)
+    monkeypatch.delenv("MCSERVE_KERNELS", raising=False)
+    want = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
+    monkeypatch.setenv("MCSERVE_KERNELS", backend)
+    got = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
+    for x, w in zip(got, want, strict=True):
+        torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-10)

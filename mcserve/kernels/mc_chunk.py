@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from mcserve.config import MCConfig
+from mcserve.kernels import dispatch
 from mcserve.kernels.gla import chunk_gla, naive_gla
 
 _READ_BLOCK = 32  # checkpoints per GEMM in the cached readout
@@ -83,23 +84,29 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
     where token t (of the padded, segment-aligned span) sees checkpoints n < n_carried +
     t // segment_len.
 
-    Tiled over tokens and checkpoints: per tile one GEMM contracts (checkpoint, key) at once,
-    ``(L_tile, n·K) @ (n·K, V)``, so the sum over checkpoints happens inside the GEMM, the
-    temporaries stay cache-sized, and checkpoints a whole tile cannot see are skipped.
+    Tiled over tokens and checkpoints: per tile one GEMM reads every checkpoint of the tile for
+    every token, ``(L_tile, K) @ (K, n·V)`` with the states laid out key-major once per call,
+    then one batched weighted sum over the tile's checkpoints; temporaries stay cache-sized, and
+    checkpoints a whole tile cannot see are skipped.
     """
     B, L, H, K = q.shape
-    V = S.shape[-1]
-    Sh = S.transpose(1, 2)  # (B, H, N, K, V)
+    N, V = S.shape[1], S.shape[-1]
+    Sk = S.permute(0, 2, 3, 1, 4).contiguous()  # (B, H, K, N, V)
     qh = q.transpose(1, 2)  # (B, H, L, K)
     wh = w.permute(0, 3, 1, 2)  # (B, H, L, N)
     out = q.new_zeros(B, H, L, V)
     for t0 in range(0, L, _TOKEN_TILE):
         t1 = min(L, t0 + _TOKEN_TILE)
-        n_vis = min(S.shape[1], n_carried + (t1 - 1) // segment_len)
+        n_vis = min(N, n_carried + (t1 - 1) // segment_len)
+        acc = None
         for n0 in range(0, n_vis, _READ_BLOCK):
             n1 = min(n_vis, n0 + _READ_BLOCK)
-            x = (wh[:, :, t0:t1, n0:n1, None] * qh[:, :, t0:t1, None, :]).flatten(-2)
-            out[:, :, t0:t1] += torch.matmul(x, Sh[:, :, n0:n1].reshape(B, H, -1, V))
+            reads = torch.matmul(qh[:, :, t0:t1], Sk[:, :, :, n0:n1].reshape(B, H, K, -1))
+            reads = reads.view(B, H, t1 - t0, n1 - n0, V)  # S_nᵀ q_t for the tile
+            part = torch.matmul(wh[:, :, t0:t1, None, n0:n1], reads)[:, :, :, 0]
+            acc = part if acc is None else acc.add_(part)
+        if acc is not None:
+            out[:, :, t0:t1] = acc
     return out.transpose(1, 2)
 
 
@@ -121,6 +128,37 @@ def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
     y = torch.nn.functional.embedding_bag(rows, S.reshape(-1, V), mode="sum",
                                           per_sample_weights=wts.reshape(B * L * H, k * K))
     return y.view(B, L, H, V)
+
+
+def _online_torch(qf: Tensor, kf: Tensor, vf: Tensor, laf: Tensor | None, bf: Tensor | None,
+                  initial_state: Tensor, mc: MCConfig) -> tuple[Tensor, Tensor]:
+    """Online readout of every token and the state at the end of every segment, for the
+    segment-folded span ``(B, G, C, H, ·)``: one chunked scan of all segments from zero at once,
+    then a short scan over segments carries (checkpoint mode) or restarts (independent mode) the
+    state, and each token adds its segment's start state, decayed. Returns o ``(B, G, C, H, V)``
+    and S_end ``(B, G, H, K, V)``."""
+    B, G, C, H, K = qf.shape
+    V = vf.shape[-1]
+    flat = lambda x: None if x is None else x.reshape((B * G,) + x.shape[2:])  # noqa: E731
+    o_loc, D = chunk_gla(flat(qf), flat(kf), flat(vf), flat(laf), flat(bf),
+                         qf.new_zeros(B * G, H, K, V))
+    o_loc, D = o_loc.view(B, G, C, H, V), D.view(B, G, H, K, V)
+    if laf is None:
+        Acum = qf.new_zeros(B, G, C, H)
+    else:
+        Acum = laf.cumsum(2)  # (B, G, C, H) log decay from the segment start to each token
+    decay_seg = Acum[:, :, -1].exp()  # (B, G, H) decay over a whole segment
+    starts, ends = [], []
+    S = initial_state
+    for g in range(G):  # the only loop: two small ops per segment on (B, H, K, V)
+        if g and mc.independent:
+            S = torch.zeros_like(S)
+        starts.append(S)
+        S = S * decay_seg[:, g, :, None, None] + D[:, g]
+        ends.append(S)
+    S_start = torch.stack(starts, 1)  # (B, G, H, K, V)
+    o = o_loc + torch.einsum("bgchk,bghkv->bgchv", qf * Acum.exp()[..., None], S_start)
+    return o, torch.stack(ends, 1)
 
 
 def mc_linear_chunk(
@@ -161,30 +199,19 @@ def mc_linear_chunk(
         x = torch.cat([x.new_full(shape, fill), x, x.new_full(tail, fill)], 1)
         return x.view((B, G, C) + x.shape[2:])
 
-    qf, kf, vf, uf = fold(q), fold(k), fold(v), fold(u)  # (B, G, C, H, ·)
-    laf = fold(log_a)
-    bf = fold(b)
-    # ---- online term: every segment scanned from zero at once, plus its start state decayed
-    flat = lambda x: None if x is None else x.reshape((B * G,) + x.shape[2:])  # noqa: E731
-    o_loc, D = chunk_gla(flat(qf), flat(kf), flat(vf), flat(laf), flat(bf),
-                         q.new_zeros(B * G, H, K, V))
-    o_loc, D = o_loc.view(B, G, C, H, V), D.view(B, G, H, K, V)
-    if laf is None:
-        Acum = q.new_zeros(B, G, C, H)
-    else:
-        Acum = laf.cumsum(2)  # (B, G, C, H) log decay from the segment start to each token
-    decay_seg = Acum[:, :, -1].exp()  # (B, G, H) decay over a whole segment
-    starts, ends = [], []
-    S = initial_state
-    for g in range(G):  # the only loop: two small ops per segment on (B, H, K, V)
-        if g and mc.independent:
-            S = torch.zeros_like(S)
-        starts.append(S)
-        S = S * decay_seg[:, g, :, None, None] + D[:, g]
-        ends.append(S)
-    S_start = torch.stack(starts, 1)  # (B, G, H, K, V)
-    S_end = torch.stack(ends, 1)
-    o = o_loc + torch.einsum("bgchk,bghkv->bgchv", qf * Acum.exp()[..., None], S_start)
+    qf, kf, uf = fold(q), fold(k), fold(u)  # (B, G, C, H, K)
+    backend = dispatch.get_backend(q)
+    if backend == "torch":
+        o, S_end = _online_torch(qf, kf, fold(v), fold(log_a), fold(b), initial_state, mc)
+    else:  # the prefill kernel (Triton on CUDA): online readout and every boundary state
+        o, final, bs, _ = dispatch.chunk_linear_prefill(
+            q, k, v, log_a, b, initial_state, segment_len=C, mode=mc.mode,
+            initial_seg_len=f0, backend=backend)
+        S_end = bs.view(B, n_b, H, K, V)
+        if n_b < G:  # the partial last segment ends at the final state
+            S_end = torch.cat([S_end, final[:, None]], 1)
+        o = torch.cat([o.new_zeros(B, f0, H, V), o, o.new_zeros(B, pad, H, V)], 1)
+        o = o.view(B, G, C, H, V)
     # ---- online scores: the mean key of the online segment so far, token t included
     kc = kf.cumsum(2)  # (B, G, C, H, K)
     kc[:, 0] += initial_ksum[:, None]
