@@ -19,7 +19,7 @@ from mcserve.engine.runner import ModelRunner
 from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
 from mcserve.engine.scheduler import Scheduler
 from mcserve.engine.sequence import Sequence
-from mcserve.engine.state_cache import StateCache
+from mcserve.engine.state_cache import PrefixExport, StateCache, chain_hashes
 from mcserve.engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -412,3 +412,46 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
+
+    # ------------------------------------------------------------------ prefix export / import
+    def prefix_hashes(self, token_ids: list[int], mc_overrides: dict | None = None
+                      ) -> list[bytes]:
+        """The prefix-cache keys the scheduler looks up for a prompt of ``token_ids``: one per
+        complete segment that may be reused (at least one token is left to compute). Empty
+        when this engine caches no blocks (prefix caching off, ``none``, ``loglinear``)."""
+        if not (self.mc.caches_blocks and self.cache.enable_prefix_caching
+                and self.cache.num_blocks):
+            return []
+        mc_top_k = self._check_overrides(mc_overrides or {})
+        salt = self.cache.salt + (f"|top_k={mc_top_k}".encode() if mc_top_k else b"")
+        ids = [int(t) for t in token_ids]
+        C = self.mc.segment_len
+        return chain_hashes(ids, C, salt, max(0, (len(ids) - 1) // C))
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of ``hashes`` (``prefix_hashes``) this engine has cached."""
+        return self.cache.cached_prefix(hashes)
+
+    def export_prefix(self, token_ids: list[int] | None = None, *,
+                      hashes: list[bytes] | None = None,
+                      mc_overrides: dict | None = None) -> PrefixExport:
+        """The cached checkpoints of the longest cached prefix of a prompt (``token_ids``, or
+        its ``hashes`` from ``prefix_hashes``), detached from this engine: another engine of
+        the same model and configuration resumes from them with ``import_prefix`` instead of
+        recomputing that prefill. Empty (``num_blocks == 0``) when nothing is cached.
+
+        Not thread-safe, like every engine call: run it where ``step()`` runs."""
+        if hashes is None:
+            if token_ids is None:
+                raise InvalidRequestError("export_prefix needs token_ids or hashes")
+            hashes = self.prefix_hashes(token_ids, mc_overrides)
+        return self.cache.export_blocks(list(hashes))
+
+    def import_prefix(self, export: PrefixExport) -> int:
+        """Register the blocks of ``export`` (another engine's ``export_prefix``) in this
+        engine's prefix cache, as cached blocks nobody holds (evictable like any other); a
+        later request with that prefix hits them and computes only the rest. Returns the
+        blocks written (those already cached here, or beyond a full pool, are skipped).
+
+        Raises ``ValueError`` for an export of another model or configuration."""
+        return self.cache.import_blocks(export)

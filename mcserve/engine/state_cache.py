@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -375,3 +376,124 @@ class StateCache:
                     t[slot].copy_(init[name[4:]])
                 else:
                     t[slot].zero_()
+
+    # ------------------------------------------------------------------ prefix export / import
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` are cached here (no reference taken, no stats counted)."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self.by_hash:
+                break
+            n += 1
+        return n
+
+    def export_blocks(self, hashes: list[bytes]) -> PrefixExport:
+        """Copies of the blocks of the longest cached run of ``hashes``, every layer's entries
+        (key sums included), on the CPU: what another cache needs to resume from that prefix
+        (the last block holds the state at the last boundary). The blocks stay cached and
+        become the most recently used (the prefix is hot)."""
+        n = self.cached_prefix(hashes)
+        ids = [self.by_hash[h] for h in hashes[:n]]
+        for bid in ids:
+            if bid in self.evictable:
+                self.evictable.move_to_end(bid)
+        layers: list[dict[str, Tensor]] = []
+        for layer in self.block:
+            idx = torch.tensor(ids, dtype=torch.long, device=layer["ksum"].device)
+            layers.append({name: t.index_select(0, idx).to("cpu")
+                           for name, t in layer.items()})
+        export = PrefixExport(hashes=list(hashes[:n]), salt_digest=salt_digest(self.salt),
+                              layers=layers)
+        self.num_exported += n
+        self.bytes_exported += export.nbytes
+        return export
+
+    def import_blocks(self, export: PrefixExport) -> int:
+        """Register the blocks of ``export`` (from ``export_blocks`` of a cache of the same
+        model and MC configuration) as cached blocks here: reference count 0, evictable like
+        any block whose owner left, found by ``lookup``. Hashes already cached are skipped.
+        Stops early when the pool has no block to spare. Returns the blocks written.
+
+        Raises ``ValueError`` when the export comes from another model or configuration."""
+        if export.salt_digest != salt_digest(self.salt):
+            raise ValueError("the prefix export comes from another model or MC configuration")
+        if len(export.layers) != len(self.block):
+            raise ValueError(f"the prefix export has {len(export.layers)} layers, this cache "
+                             f"{len(self.block)}")
+        for li, (mine, theirs) in enumerate(zip(self.block, export.layers, strict=True)):
+            for name, t in mine.items():
+                got = theirs.get(name)
+                if got is None or got.shape[1:] != t.shape[1:] or got.dtype != t.dtype:
+                    raise ValueError(f"the prefix export's layer {li} entry {name!r} does not "
+                                     f"match this cache's")
+        if not self.enable_prefix_caching or not export.hashes:
+            return 0
+        # hold every block of the chain while importing: allocating the missing ones must not
+        # evict the cached ones of the same chain
+        held: list[int] = []
+        rows: list[int] = []  # rows of the export written, and the blocks they went to
+        dest: list[int] = []
+        for i, h in enumerate(export.hashes):
+            bid = self.by_hash.get(h)
+            if bid is not None:
+                if self.ref[bid] == 0:
+                    del self.evictable[bid]
+                self.ref[bid] += 1
+                held.append(bid)
+                continue
+            got = self.allocate(1)
+            if got is None:
+                break
+            held.append(got[0])
+            rows.append(i)
+            dest.append(got[0])
+        if dest:
+            for mine, theirs in zip(self.block, export.layers, strict=True):
+                dev = mine["ksum"].device
+                src_idx = torch.tensor(rows, dtype=torch.long)
+                dst_idx = torch.tensor(dest, dtype=torch.long, device=dev)
+                for name, t in mine.items():
+                    t.index_copy_(0, dst_idx, theirs[name].index_select(0, src_idx).to(dev))
+            for i, bid in zip(rows, dest, strict=True):
+                self.register(bid, export.hashes[i])
+        self.free(held)
+        self.num_imported += len(dest)
+        self.bytes_imported += len(dest) * self.bytes_per_block
+        return len(dest)
+
+    # counters of the prefix transfers (class defaults: the pools' constructor stays as it is)
+    num_exported = 0  # blocks copied out by export_blocks
+    num_imported = 0  # blocks written by import_blocks
+    bytes_exported = 0
+    bytes_imported = 0
+
+
+def salt_digest(salt: bytes) -> bytes:
+    """A short fingerprint of a cache's hash salt (model + MC configuration)."""
+    return hashlib.blake2b(salt, digest_size=16).digest()
+
+
+@dataclass
+class PrefixExport:
+    """The cached segment checkpoints of a prompt prefix, detached from their engine.
+
+    ``hashes[i]`` is the prefix-cache key of segment i (``chain_hashes``); ``layers[l][name]``
+    stacks that layer's block entry ``name`` of every segment, ``(num_blocks, ...)``, on the
+    CPU. The last block holds the state at the last segment boundary, from which an engine
+    resumes. ``salt_digest`` names the model + MC configuration the blocks belong to. Plain
+    tensors and bytes: it pickles, so it can go through a queue, a file or Ray's object store.
+    """
+
+    hashes: list[bytes]
+    salt_digest: bytes
+    layers: list[dict[str, Tensor]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
