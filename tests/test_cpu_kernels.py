@@ -69,6 +69,138 @@ def test_linear_step_matches_twin(B, H, K, V, gates, view):
         assert pool[0].abs().sum() > 0 and S.data_ptr() == pool[1].data_ptr()
 
 
+def _step_inputs(op: str, B: int, H: int, K: int, V: int, gates: bool, view: str, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(pool, S, args after S) for one of the per-family state steps; S is rows 1..B of a bigger
+    pool for ``view == "pool-slice"`` (stepped where it lives, as the engine's slot pool)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(B + 2, H, K, V, generator=g)
+    S = pool[1:1 + B] if view == "pool-slice" else pool[:B].clone()
+
+    def vec(n: int) -> torch.Tensor:
+        if view == "broadcast":  # one group shared by every head (stride 0 on H)
+            return torch.randn(B, 1, n, generator=g).expand(B, H, n)
+        return torch.randn(B, H, n, generator=g)
+
+    q, k = vec(K), vec(K) / K ** 0.5  # ‖k‖ about 1: the delta rule's normalised keys
+    v = torch.randn(B, H, V, generator=g)
+    if op == "delta_step_":
+        args = (q, k, v, -torch.rand(B, H, generator=g) if gates else None,
+                torch.rand(B, H, generator=g) * 2 if gates else None)
+    elif op == "rwkv7_step_":
+        kk = torch.nn.functional.normalize(torch.randn(B, H, K, generator=g), dim=-1)
+        a_rate = torch.rand(B, H, K, generator=g)
+        log_w = -torch.rand(B, H, K, generator=g) * 0.6  # RWKV-7: log w ≥ −e^{−0.5}
+        args = (q, k, v, -kk, kk * a_rate, log_w)
+    else:  # gla_vec_step_
+        args = (q, k, v, -torch.rand(B, H, K, generator=g) if gates else None,
+                torch.rand(B, H, generator=g) if gates else None)
+    return pool, S, args
+
+
+STEP_CASES = [(1, 3, 64, 64, True, "plain"), (5, 5, 16, 24, True, "pool-slice"),
+              (5, 1, 8, 1, True, "broadcast"), (1, 7, 32, 128, False, "plain"),
+              (5, 3, 128, 256, True, "pool-slice")]
+STEP_IDS = ["b1-h3-64", "b5-h5-pool", "b5-v1-broadcast", "b1-h7-no-gates", "b5-gdn-head"]
+
+
+@pytest.mark.parametrize("op", ["delta_step_", "rwkv7_step_", "gla_vec_step_"])
+@pytest.mark.parametrize("B,H,K,V,gates,view", STEP_CASES, ids=STEP_IDS)
+def test_state_step_matches_twin(op, B, H, K, V, gates, view):
+    """Three tokens in a row, in place: the C++ op and its twin give the same outputs and
+    states, and a pool-slice state is updated where it lives (neighbour rows untouched)."""
+    pool, S, args = _step_inputs(op, B, H, K, V, gates, view, seed=B * 31 + H * 7 + K)
+    S_ref, before = S.clone(), pool.clone()
+    for _ in range(3):
+        o = getattr(cpu.ops(), op)(S, *args)
+        o_ref = getattr(twins, op)(S_ref, *args)
+        assert o.shape == (B, H, V)
+        assert rel_err(o, o_ref) < 1e-5
+        assert rel_err(S, S_ref) < 1e-5
+    if view == "pool-slice":
+        assert S.data_ptr() == pool[1].data_ptr()
+        assert torch.equal(pool[0], before[0]) and torch.equal(pool[B + 1], before[B + 1])
+    # the public wrapper takes the C++ op for these inputs, the twin for float64 (same values)
+    S2, S64 = S_ref.clone(), S_ref.double()
+    o2 = getattr(cpu, op)(S2, *args)
+    o64 = getattr(cpu, op)(S64, *(None if a is None else a.double() for a in args))
+    assert rel_err(o2, o64.float()) < 1e-5 and rel_err(S2, S64.float()) < 1e-5
+
+
+def test_state_step_twins_match_the_families_scans():
+    """Each twin is one token of its family's recurrence as the chunked kernels define it."""
+    from mcserve.kernels.delta import naive_delta_rule
+    from mcserve.kernels.gla_vector import naive_gla_vec
+    from mcserve.kernels.rwkv7 import naive_rwkv7
+
+    B, H, K, V = 2, 3, 8, 12
+    for op, naive in (("delta_step_", naive_delta_rule), ("rwkv7_step_", naive_rwkv7),
+                      ("gla_vec_step_", naive_gla_vec)):
+        _, S, args = _step_inputs(op, B, H, K, V, True, "plain", seed=3)
+        t1 = [None if a is None else a[:, None] for a in args]  # (B, 1, H, ·)
+        if op == "delta_step_":  # naive_delta_rule takes (beta, log_alpha)
+            t1[3], t1[4] = t1[4], t1[3]
+        o_want, S_want = naive(*t1, initial_state=S.clone())
+        o = getattr(twins, op)(S, *args)
+        assert rel_err(o, o_want[:, 0]) < 1e-6 and rel_err(S, S_want) < 1e-6
+
+
+def test_state_step_twins_half_precision_in_float32():
+    """A bfloat16 state is stepped in float32 and rounded once (as the chunked kernels do)."""
+    for op in ("delta_step_", "rwkv7_step_"):
+        _, S, args = _step_inputs(op, 2, 3, 16, 16, True, "plain", seed=5)
+        Sh = S.bfloat16()
+        S32 = Sh.float()
+        o = getattr(twins, op)(Sh, *(None if a is None else a.bfloat16() for a in args))
+        want = getattr(twins, op)(S32, *(None if a is None else a.bfloat16().float()
+                                         for a in args))
+        assert Sh.dtype == torch.bfloat16 and o.dtype == torch.bfloat16
+        assert torch.equal(Sh, S32.bfloat16())
+        assert rel_err(o.float(), want) < 1e-2
+
+
+def test_state_steps_reject_bad_shapes():
+    S = torch.randn(2, 3, 4, 5)
+    q, v = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    with pytest.raises(RuntimeError, match="delta_step_: k"):
+        cpu.ops().delta_step_(S, q, torch.randn(2, 3, 5), v, None, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu.ops().gla_vec_step_(S.transpose(-1, -2), q, q, torch.randn(2, 3, 4), None, None)
+    with pytest.raises(RuntimeError, match="rwkv7_step_: log_w"):
+        cpu.ops().rwkv7_step_(S, q, q, v, q, q, torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="beta"):
+        cpu.ops().delta_step_(S, q, q, v, None, torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("family", ["delta", "gated_delta", "rwkv7", "gla"])
+def test_family_step_equals_one_token_scan(family):
+    """``step_`` (what the engine's decode calls on its slot pool) equals ``scan`` of one token
+    and leaves the state stepped in place."""
+    from mcserve.models.memory.delta import DeltaMemory, GatedDeltaMemory
+    from mcserve.models.memory.gla import VectorGatedMemory
+    from mcserve.models.memory.rwkv7 import RWKV7Memory
+
+    fam = {"delta": DeltaMemory(), "gated_delta": GatedDeltaMemory(), "rwkv7": RWKV7Memory(),
+           "gla": VectorGatedMemory()}[family]
+    g = torch.Generator().manual_seed(11)
+    B, H, K, V = 5, 3, 16, 8
+    S = torch.randn(B, H, K, V, generator=g)
+    q = torch.randn(B, 1, H, K, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(B, 1, H, K, generator=g), dim=-1)
+    v = torch.randn(B, 1, H, V, generator=g)
+    per_key = torch.rand(B, 1, H, K, generator=g)
+    gates = {"delta": {"beta": per_key[..., 0]},
+             "gated_delta": {"beta": per_key[..., 0], "log_a": -per_key[..., 1]},
+             "rwkv7": {"a": -k, "b": k * per_key, "log_w": -0.5 * per_key},
+             "gla": {"log_a": -per_key, "b": per_key[..., 0]}}[family]
+    o_want, st = fam.scan({"S": S}, q, k, v, gates)
+    state = {"S": S.clone()}
+    ptr = state["S"].data_ptr()
+    o = fam.step_(state, q, k, v, gates)
+    assert o.shape == (B, 1, H, V) and state["S"].data_ptr() == ptr
+    assert rel_err(o, o_want) < 1e-5 and rel_err(state["S"], st["S"]) < 1e-5
+
+
 @pytest.mark.parametrize("B,n,H,K,V", [(1, 16, 4, 64, 64), (3, 5, 2, 8, 24), (2, 0, 3, 4, 4)],
                          ids=["b1-16blocks", "odd", "no-blocks"])
 def test_readout_paged_matches_twin(B, n, H, K, V):

@@ -178,6 +178,12 @@ def _f32_cpu(*ts: Tensor | None) -> bool:
                              and not (grad and t.requires_grad)) for t in ts)
 
 
+def _state_ok(S: Tensor) -> bool:
+    """S ``(B, H, K, V)`` with each head's (K, V) block contiguous: the layout the state steps
+    walk (rows of the engine's slot pool qualify; a transposed view does not)."""
+    return S.dim() == 4 and S.stride(-1) == 1 and S.stride(-2) == S.shape[-1]
+
+
 # ---------------------------------------------------------------------------------- public ops
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` (twin ``twins.linear``); the C++ matrix-vector path for a few rows."""
@@ -194,10 +200,36 @@ def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | Non
                  b: Tensor | None) -> Tensor:
     """One gated-linear-attention token in place (twin ``twins.linear_step_``)."""
     m = ops()
-    if (m is None or not _f32_cpu(S, q, k, v, log_a, b) or S.stride(-1) != 1
-            or S.stride(-2) != S.shape[-1]):
+    if m is None or not _f32_cpu(S, q, k, v, log_a, b) or not _state_ok(S):
         return twins.linear_step_(S, q, k, v, log_a, b)
     return m.linear_step_(S, q, k, v, log_a, b)
+
+
+def delta_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                beta: Tensor | None) -> Tensor:
+    """One (gated) delta-rule token in place (twin ``twins.delta_step_``)."""
+    m = ops()
+    if m is None or not _f32_cpu(S, q, k, v, log_a, beta) or not _state_ok(S):
+        return twins.delta_step_(S, q, k, v, log_a, beta)
+    return m.delta_step_(S, q, k, v, log_a, beta)
+
+
+def rwkv7_step_(S: Tensor, r: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+                log_w: Tensor) -> Tensor:
+    """One RWKV-7 token in place (twin ``twins.rwkv7_step_``)."""
+    m = ops()
+    if m is None or not _f32_cpu(S, r, k, v, a, b, log_w) or not _state_ok(S):
+        return twins.rwkv7_step_(S, r, k, v, a, b, log_w)
+    return m.rwkv7_step_(S, r, k, v, a, b, log_w)
+
+
+def gla_vec_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                  b: Tensor | None) -> Tensor:
+    """One vector-gated linear-attention token in place (twin ``twins.gla_vec_step_``)."""
+    m = ops()
+    if m is None or not _f32_cpu(S, q, k, v, log_a, b) or not _state_ok(S):
+        return twins.gla_vec_step_(S, q, k, v, log_a, b)
+    return m.gla_vec_step_(S, q, k, v, log_a, b)
 
 
 def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:

@@ -27,6 +27,62 @@ def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | Non
     return torch.matmul(q[..., None, :], S)[..., 0, :]
 
 
+def _work(S: Tensor) -> Tensor:
+    """S itself when its precision is computed in directly, else a float32 copy to compute in
+    and copy back: long products of decays and rank-1 updates lose too much in 8 mantissa bits
+    (the chunked kernels likewise run half precision in float32)."""
+    return S if S.element_size() >= 4 else S.float()
+
+
+def delta_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                beta: Tensor | None) -> Tensor:
+    """S ``(B, H, K, V)`` ← α·(S − β k (kᵀS)) + β k vᵀ in place; returns o = Sᵀq ``(B, H, V)``.
+
+    q, k ``(B, H, K)``, v ``(B, H, V)``, log_a (log α) and beta ``(B, H)`` or None (no decay /
+    β = 1). The same operations as ``kernels.delta.chunk_delta_rule``'s one-token path.
+    """
+    W = _work(S)
+    q, k, v = (x.to(W.dtype) for x in (q, k, v))
+    if log_a is not None:
+        W.mul_(log_a.to(W.dtype).exp()[..., None, None])
+    err = v - torch.matmul(k[..., None, :], W)[..., 0, :]  # (B, H, V)
+    if beta is not None:
+        err = err * beta.to(W.dtype)[..., None]
+    W.addcmul_(k[..., :, None], err[..., None, :])
+    o = torch.matmul(q[..., None, :], W)[..., 0, :]
+    if W is not S:
+        S.copy_(W)
+    return o.to(S.dtype)
+
+
+def rwkv7_step_(S: Tensor, r: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+                log_w: Tensor) -> Tensor:
+    """S ``(B, H, K, V)`` (keys on the rows) ← diag(exp(log_w))·S + b (aᵀS) + k vᵀ in place;
+    returns o = Sᵀr ``(B, H, V)``. r, k, a, b, log_w ``(B, H, K)``, v ``(B, H, V)``."""
+    W = _work(S)
+    r, k, v, a, b, log_w = (x.to(W.dtype) for x in (r, k, v, a, b, log_w))
+    sa = torch.matmul(a[..., None, :], W)  # (B, H, 1, V) aᵀS, before any row changes
+    W.mul_(log_w.exp()[..., None]).addcmul_(b[..., :, None], sa)
+    W.addcmul_(k[..., :, None], v[..., None, :])
+    o = torch.matmul(r[..., None, :], W)[..., 0, :]
+    if W is not S:
+        S.copy_(W)
+    return o.to(S.dtype)
+
+
+def gla_vec_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
+                  b: Tensor | None) -> Tensor:
+    """S ``(B, H, K, V)`` ← diag(exp(log_a))·S + (b·k) vᵀ in place; returns o = Sᵀq.
+
+    q, k, log_a ``(B, H, K)`` (log_a None: no decay), v ``(B, H, V)``, b ``(B, H)`` or None.
+    """
+    if log_a is not None:
+        S.mul_(log_a.exp()[..., None])
+    kt = k if b is None else k * b[..., None]
+    S.addcmul_(kt[..., :, None], v[..., None, :])
+    return torch.matmul(q[..., None, :], S)[..., 0, :]
+
+
 def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
     """Σ_n w[b, n, h]·pool[ids[b, n, h], h]ᵀ q[b, h]: pool ``(NB, H, K, V)``, ids ``(B, n, H)``,
     q ``(B, H, K)``, w ``(B, n, H)`` → ``(B, H, V)``."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels.delta import chunk_delta_rule
 from mcserve.models.memory.base import State
 from mcserve.models.memory.linear import _readout_mix_linear, _readout_mix_linear_paged
@@ -43,6 +44,22 @@ class DeltaMemory:
         o, S = chunk_delta_rule(q, k, v, gates.get("beta"), self._log_alpha(gates),
                                 state["S"])
         return o, {"S": S}
+
+    def step_(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
+              ) -> Tensor:
+        """``scan`` of one token (T = 1) that updates ``state["S"]`` in place; returns o
+        ``(B, 1, H, V)``.
+
+        The engine's decode passes views of its slot pool here: the state is stepped where it
+        lives (C++ on CPU: Sᵀk, then update + readout over the same block while it is in cache;
+        else the torch twin ``kernels.cpu.twins.delta_step_``) instead of being gathered,
+        stepped out of place and scattered back.
+        """
+        beta, log_a = gates.get("beta"), self._log_alpha(gates)
+        o = cpu_ops.delta_step_(state["S"], q[:, 0], k[:, 0], v[:, 0],
+                                None if log_a is None else log_a[:, 0],
+                                None if beta is None else beta[:, 0])
+        return o[:, None]
 
     def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
         return _readout_mix_linear(mem["S"], q, w)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mcserve.kernels.gla_vector import chunk_gla_vec, step_gla_vec_
+from mcserve.kernels import cpu as cpu_ops
+from mcserve.kernels.gla_vector import chunk_gla_vec
 from mcserve.models.memory.base import State
 from mcserve.models.memory.linear import _readout_mix_linear, _readout_mix_linear_paged
 
@@ -39,10 +40,13 @@ class VectorGatedMemory:
     def step_(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
               ) -> Tensor:
         """``scan`` of one token (T = 1) updating ``state["S"]`` in place (the engine's decode
-        passes views of its slot pool); returns o ``(B, 1, H, V)``."""
+        passes views of its slot pool); returns o ``(B, 1, H, V)``. One pass over S in C++ on
+        CPU (decay, write and readout together), else the torch twin
+        ``kernels.cpu.twins.gla_vec_step_``."""
         log_a, b = gates.get("log_a"), gates.get("b")
-        o = step_gla_vec_(state["S"], q[:, 0], k[:, 0], v[:, 0],
-                          None if log_a is None else log_a[:, 0], None if b is None else b[:, 0])
+        o = cpu_ops.gla_vec_step_(state["S"], q[:, 0], k[:, 0], v[:, 0],
+                                  None if log_a is None else log_a[:, 0],
+                                  None if b is None else b[:, 0])
         return o[:, None]
 
     def readout_mix(self, mem: State, q: Tensor, w: Tensor) -> Tensor:
