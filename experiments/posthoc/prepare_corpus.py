@@ -9,7 +9,9 @@ never saw::
 
     python experiments/posthoc/prepare_corpus.py --out experiments/posthoc/data
 
-Writes ``train.bin`` / ``valid.bin`` (uint16 ids, documents joined by ``<|eos|>``),
+Writes ``train.bin`` / ``valid.bin`` (uint16 ids, documents joined by ``<|eos|>``), the held-out
+tokens split once more into ``eval.bin`` (the first 75 %, for ``mcserve eval``) and ``calib.bin``
+(the rest, for ``mcserve eval calibrate-delta``, so the scales never see the evaluation text),
 ``valid.txt`` (the held-out text) and ``meta.json``.
 """
 
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     for split, ids in splits.items():
         np.asarray(ids, dtype="<u2").tofile(out / f"{split}.bin")
         meta[f"{split}_tokens"] = len(ids)
+    cut = len(splits["valid"]) * 3 // 4
+    np.asarray(splits["valid"][:cut], dtype="<u2").tofile(out / "eval.bin")
+    np.asarray(splits["valid"][cut:], dtype="<u2").tofile(out / "calib.bin")
+    meta.update(eval_tokens=cut, calib_tokens=len(splits["valid"]) - cut)
     (out / "valid.txt").write_text("\n\n".join(valid_text), encoding="utf-8")
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(meta, indent=2))

@@ -1,0 +1,77 @@
+"""Markdown tables from the JSON reports of ``mcserve eval ppl`` / ``passkey`` (run_eval.sh).
+
+    python experiments/posthoc/summarize.py experiments/posthoc/results/*.json
+
+Table 1: window perplexity per setting × length, with the ratio to the plain model's perplexity
+at the training length (1×). Table 2: perplexity per position bucket at the longest length.
+Passkey reports give accuracy per setting × length (mean over depths). A report's
+``delta_scale`` (``--delta-scale``) is shown in the setting's name.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _name(rep: dict, setting: str) -> str:
+    ds = rep.get("delta_scale")
+    if ds is None:
+        return setting
+    if isinstance(ds, list):
+        ds = ",".join(f"{x:g}" for x in ds) if len(set(ds)) > 1 else f"{ds[0]:g}"
+    return f"{setting} + Δ×{ds}"
+
+
+def main(paths: list[str]) -> None:
+    ppl_rows: dict[str, dict[int, float]] = {}
+    pos_rows: dict[str, list[float | None]] = {}
+    buckets: list[list[int]] = []
+    lengths: set[int] = set()
+    pk_rows: dict[str, dict[int, float]] = {}
+    for path in paths:
+        rep = json.loads(Path(path).read_text())
+        if "results" not in rep:
+            continue
+        for r in rep["results"]:
+            name = _name(rep, r["setting"])
+            if "bucket_ppl" in r:
+                ppl_rows.setdefault(name, {})[r["length"]] = r["ppl"]
+                lengths.add(r["length"])
+                if r["length"] == max(rep["lengths"]) and len(rep["buckets"]) >= len(buckets):
+                    buckets = rep["buckets"]
+                    pos_rows[name] = r["bucket_ppl"]
+            elif "accuracy" in r:
+                pk_rows.setdefault(name, {}).setdefault(r["length"], [])
+                pk_rows[name][r["length"]].append(r["accuracy"])
+    if ppl_rows:
+        L = sorted(lengths)
+        L0 = L[0]
+        ref = ppl_rows.get("as-is", {}).get(L0)
+        print("| setting | " + " | ".join(f"{n} ({n // L0}×)" for n in L)
+              + (f" | {L[-2] // L0}× / 1× | {L[-1] // L0}× / 1× |" if ref and len(L) > 2 else " |"))
+        print("|---" * (len(L) + 1 + (2 if ref and len(L) > 2 else 0)) + "|")
+        for name, row in ppl_rows.items():
+            cells = [f"{row[n]:.2f}" if n in row else "-" for n in L]
+            if ref and len(L) > 2:
+                cells += [f"{row[n] / ref:.2f}" if n in row else "-" for n in L[-2:]]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        print()
+        print("| setting | " + " | ".join(f"[{a},{b})" for a, b in buckets) + " |")
+        print("|---" * (len(buckets) + 1) + "|")
+        for name, row in pos_rows.items():
+            print(f"| {name} | " + " | ".join("-" if p is None else f"{p:.2f}" for p in row)
+                  + " |")
+    if pk_rows:
+        L = sorted({n for row in pk_rows.values() for n in row})
+        print()
+        print("| setting | " + " | ".join(str(n) for n in L) + " |")
+        print("|---" * (len(L) + 1) + "|")
+        for name, row in pk_rows.items():
+            print(f"| {name} | " + " | ".join(
+                f"{sum(row[n]) / len(row[n]):.2f}" if n in row else "-" for n in L) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
