@@ -49,7 +49,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "long_context", "roofline", "cpu_kernels"]
-NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels"}  # helpers; kernels.py needs CUDA
+# helpers, and the CUDA-only scripts (kernels.py, gpu.py)
+NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels", "gpu"}
 
 
 def run_script(name: str, args, bench_dir: Path) -> dict:
