@@ -22,6 +22,7 @@ message saying so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,17 +109,44 @@ class Result:
 # ------------------------------------------------------------------------------ mcserve
 
 
+@contextlib.contextmanager
+def generic_step() -> Iterator[None]:
+    """Within the block the delta-rule and RWKV-7 memories have no in-place ``step_``: decode
+    takes the generic path (each row's state stepped out of place, then written back to the
+    slot pool), for timing the fused C++ step against it in the same run."""
+    from mcserve.models.memory.delta import DeltaMemory
+    from mcserve.models.memory.rwkv7 import RWKV7Memory
+
+    saved = {cls: cls.__dict__["step_"] for cls in (DeltaMemory, RWKV7Memory)}
+    for cls in saved:
+        delattr(cls, "step_")
+    try:
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.step_ = fn
+
+
 class McserveRunner:
-    """mcserve's offline engine (``LLM.generate``), one engine per stream count."""
+    """mcserve's offline engine (``LLM.generate``), one engine per stream count; with
+    ``generic`` the delta-rule / RWKV-7 decode runs without the fused state step."""
 
     name = "mcserve"
 
-    def __init__(self, model_dir: Path, *, mc_variant: str = "none", **engine_kw: Any):
+    def __init__(self, model_dir: Path, *, mc_variant: str = "none", generic: bool = False,
+                 **engine_kw: Any):
         self.model_dir, self.mc_variant, self.engine_kw = model_dir, mc_variant, engine_kw
+        self.generic = generic
         if mc_variant != "none":
             self.name = f"mcserve {mc_variant}"
+        if generic:
+            self.name += " (generic step)"
 
     def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
+        with generic_step() if self.generic else contextlib.nullcontext():
+            return self._run(ids, new_tokens, repeats)
+
+    def _run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
         from mcserve.engine.llm import LLM
         from mcserve.engine.sampling import SamplingParams
 
@@ -411,3 +440,54 @@ class RwkvPackageRunner:
                 out = [self._generate(p, new_tokens) for p in ids]
                 secs.append(time.perf_counter() - t0)
         return Result(self.name, len(ids), len(ids) * new_tokens, secs, out)
+
+
+# ------------------------------------------------------------------------------ Gated DeltaNet
+
+#: a 130M-class fla Gated DeltaNet: fla's GatedDeltaNetConfig at 768 wide and 12 layers, 6 heads
+#: of key dim 128 and value dim 256 (expand_v 2), MLP 2/3·4·768 → 2048, 32000-token vocabulary
+#: with tied embeddings: 0.138B parameters
+GDN_130M: dict[str, Any] = dict(
+    model_type="gated_deltanet", hidden_size=768, num_hidden_layers=12, num_heads=6,
+    head_dim=128, expand_v=2.0, hidden_ratio=4, use_gate=True, use_short_conv=True,
+    conv_size=4, vocab_size=32000, tie_word_embeddings=True, norm_eps=1e-6,
+    hidden_act="swish", attn_mode="chunk",
+)
+GDN_QUICK: dict[str, Any] = dict(GDN_130M, num_hidden_layers=2, vocab_size=4096)
+
+
+def gated_deltanet_dir(shape: dict[str, Any] = GDN_130M, seed: int = 0) -> Path:
+    """A random-weight fla ``GatedDeltaNetForCausalLM`` directory of ``shape`` (config.json +
+    model.safetensors in fla's tensor names, word-level tokenizer.json; built on first use, then
+    reused). Decay parameters are spread as fla's initialiser spreads them (A in [1, 16], Δ in
+    [1e-3, 0.1]) so the heads decay at different rates."""
+    name = (f"gdn-d{shape['hidden_size']}-l{shape['num_hidden_layers']}"
+            f"-v{shape['vocab_size']}-s{seed}")
+    out = cache_dir() / name
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    from safetensors.torch import save_file
+
+    from mcserve.models.fla_delta import FlaDeltaForCausalLM, _fla_name, config_from_fla
+
+    cfg = dict(shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = FlaDeltaForCausalLM(config_from_fla(cfg, out / "config.json"))
+    with torch.no_grad():
+        for layer in model.layers:
+            mix = layer.mixer
+            mix.A_log.copy_(torch.empty_like(mix.A_log).uniform_(1, 16).log())
+            dt = torch.exp(torch.empty_like(mix.dt_bias).uniform_(-6.9, -2.3))  # 1e-3 .. 0.1
+            mix.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
+    sd = {_fla_name(n): t.detach().contiguous() for n, t in model.state_dict().items()}
+    if shape.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight")  # as transformers saves tied weights
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    _word_tokenizer(shape["vocab_size"], tmp / "tokenizer.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -4,6 +4,7 @@
     python bench/offline.py --quick    # CI smoke run (seconds)
     python bench/offline.py --compare [--llama-cpp-src DIR]   # vs llama.cpp and transformers
     python bench/offline.py --compare --rwkv7   # RWKV-7 0.1B vs the rwkv package
+    python bench/offline.py --compare --families   # RWKV-7, Gated DeltaNet, Mamba2 at ~0.1B
 
 The model is ``--model DIR``, else the embedded default model, else a random model of the
 default model's shape. Both runs use the same engine settings except ``max_num_seqs``; the
@@ -17,6 +18,12 @@ llama.cpp's batched decode and transformers ``generate``, all in one run with th
 and prints the ratios against the targets (mcserve >= 1x llama.cpp at 8 and 16 streams, >= 0.7x
 at 1; >= 5x transformers at 8). Writes ``bench/results/offline_compare.json``. With ``--quick``
 the model has 2 layers and a 4096 vocabulary (a smoke run, no meaningful ratio).
+
+``--compare --families`` times mcserve's decode on three imported ~0.1B shapes with random
+weights: RWKV-7 0.1B (BlinkDL ``.pth``), a 130M-class fla Gated DeltaNet and the 130M Mamba2
+(``bench/baselines.py``), at each ``--streams`` count, each with the fused C++ state step and,
+for RWKV-7 and Gated DeltaNet, with the generic per-row step (``baselines.generic_step``) in the
+same run. Writes ``bench/results/offline_compare_families.json``.
 """
 
 from __future__ import annotations
@@ -79,12 +86,17 @@ def main() -> None:
                      help="also mcserve with these post-hoc MC variants (e.g. post grm)")
     cmp.add_argument("--rwkv7", action="store_true",
                      help="instead: mcserve vs the rwkv package on the 0.1B RWKV-7 shape")
+    cmp.add_argument("--families", action="store_true",
+                     help="instead: mcserve's decode on RWKV-7, Gated DeltaNet and Mamba2 at "
+                     "~0.1B, fused state step vs the generic one")
     cmp.add_argument("--llama-cpp-src", default=None,
                      help="llama.cpp source folder with convert_hf_to_gguf.py "
                      "(default: $LLAMA_CPP_SRC)")
     args = ap.parse_args()
     if args.compare and args.rwkv7:
         return compare_rwkv7(args)
+    if args.compare and args.families:
+        return compare_families(args)
     if args.compare:
         return compare(args)
     if args.quick:
@@ -245,6 +257,58 @@ def compare_rwkv7(args: argparse.Namespace) -> None:
                                            for k, v in agree.items()]},
                "tmp_offline_compare_rwkv7_quick.json" if args.quick
                else "offline_compare_rwkv7.json", extra=args.out)
+
+
+def compare_families(args: argparse.Namespace) -> None:
+    """Decode throughput of mcserve on RWKV-7 0.1B, a 130M-class Gated DeltaNet and the 130M
+    Mamba2 (random weights, float32, no MC), fused state step and generic step, same run."""
+    import baselines as bl
+
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 8, 8, 1
+        args.streams = [1, 4]
+        shapes = {"RWKV-7": bl.RWKV7_QUICK, "Gated DeltaNet": bl.GDN_QUICK,
+                  "Mamba2": bl.MAMBA2_QUICK}
+    else:
+        args.prompt_len, args.new_tokens = 16, 64
+        shapes = {"RWKV-7": bl.RWKV7_01B, "Gated DeltaNet": bl.GDN_130M,
+                  "Mamba2": bl.MAMBA2_130M}
+    threads = set_threads(args.threads)
+    paths = {"RWKV-7": bl.rwkv7_file(shapes["RWKV-7"]),
+             "Gated DeltaNet": bl.gated_deltanet_dir(shapes["Gated DeltaNet"]),
+             "Mamba2": bl.mamba2_dir(shapes["Mamba2"])}
+    results, rows = [], []
+    for model, path in paths.items():
+        vocab = shapes[model]["vocab_size"]
+        runners = [bl.McserveRunner(path)]
+        if model != "Mamba2":  # Mamba2's decode has its own fused block: no generic row
+            runners.append(bl.McserveRunner(path, generic=True))
+        for n in args.streams:
+            ids = bl.prompts(vocab, n, args.prompt_len)
+            res = [r.run(ids, args.new_tokens, args.repeats) for r in runners]
+            fused = res[0].tokens_per_s
+            generic = res[1].tokens_per_s if len(res) > 1 else None
+            same = bl.agreement(res[0], res[1]) if len(res) > 1 else None
+            print(f"  {model:<15} streams {n:>3}: {fused:8.1f} tokens/s"
+                  + ("" if generic is None else
+                     f" (generic step {generic:.1f}; tokens agreeing {same:.0%})"), flush=True)
+            rows.append([model, n, f"{fused:.1f}", "-" if generic is None else f"{generic:.1f}",
+                         "-" if generic is None else f"{fused / generic:.2f}x"])
+            results += [dict(r.to_json(), model=model) for r in res]
+            if same is not None:
+                results[-1]["agreement_with_fused"] = same
+    env = env_info()
+    print(env_line(env))
+    print(f"models: {', '.join(f'{m} {shapes[m]}' for m in shapes)}; float32, random weights, "
+          f"no MC; {args.prompt_len}-token prompts -> {args.new_tokens} greedy tokens per "
+          f"stream; {threads} threads; median of {args.repeats}")
+    print_table(rows, ["model", "streams", "fused step tok/s", "generic step tok/s",
+                       "fused / generic"],
+                title="mcserve decode throughput by imported family, same run")
+    write_json({"env": env, "args": vars(args), "shapes": shapes, "threads": threads,
+                "results": results},
+               "tmp_offline_compare_families_quick.json" if args.quick
+               else "offline_compare_families.json", extra=args.out)
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ RANDOM_MODEL_SEED = 0
 
 EXAMPLES = """examples:
   mcserve generate --prompt "Hello"           random untrained model (noise), no download
-  mcserve generate MODEL_DIR --prompt "Hello"  a checkpoint directory
+  mcserve generate MODEL_DIR --prompt "Hello"  a checkpoint directory or RWKV-7 .pth file
   mcserve serve MODEL_DIR --port 8000          OpenAI-compatible HTTP server
   mcserve eval ppl MODEL_DIR --data text.txt   perplexity with and without post-hoc MC
 
@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(untrained, byte-level) is used, so the text is noise.",
     )
     gen.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
-                     help="checkpoint directory: mcserve's own, transformers or mamba_ssm Mamba2; "
-                     "its tokenizer.json is used when there is one, else UTF-8 bytes "
+                     help="checkpoint: a directory (mcserve's own; Mamba2 or Mamba from "
+                     "transformers or mamba_ssm; fla-hub DeltaNet, Gated DeltaNet, GLA or "
+                     "RWKV-7; docs/models.md) or a BlinkDL RWKV-7 .pth file; its tokenizer.json "
+                     "is used when there is one (RWKV-7: the World tokenizer), else UTF-8 bytes "
                      "(default: a small random model)")
     gen.add_argument("--prompt", default="Hello", help="prompt text (default: %(default)r)")
     gen.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
