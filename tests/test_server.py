@@ -1086,6 +1086,72 @@ def test_prompt_forms_are_validated_cheaply(fake: tuple[FakeEngine, TestClient])
         assert time.perf_counter() - t0 < 5
 
 
+def test_large_bodies_are_refused_by_their_shape(fake: tuple[FakeEngine, TestClient]) -> None:
+    """A body over 64 KiB is held to the caps on its lists before it is parsed (shape.py): a
+    400 naming the field, in OpenAI's shape; the caps the models know of hold for small bodies
+    too, in the same words; a large body within the caps, or one that is not JSON, goes on to
+    the usual validation."""
+    from mcserve.server.shape import MAX_OTHER_VALUES, SHAPE_CHECK_BYTES
+
+    _, client = fake
+    msg = {"role": "user", "content": "hi"}
+    part = {"type": "text", "text": "hi"}
+    cases: list[tuple[str, dict[str, Any], str, str]] = [
+        ("/v1/completions", {"prompt": [[5]] * 100_000}, "prompt",
+         "prompt: at most 256 prompts per request"),
+        ("/v1/completions", {"prompt": ["x", 1] * 100_000}, "prompt",
+         "prompt: at most 256 prompts per request"),
+        ("/v1/completions", {"prompt": [7] * 100_000}, "prompt",
+         "prompt[0] is 100000 tokens, longer than max_model_len=64"),
+        ("/v1/completions", {"prompt": [[7], [7] * 30_000]}, "prompt",
+         "prompt[1] is 30000 tokens, longer than max_model_len=64"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s"] * 20_000}, "stop",
+         "stop: at most 16 stop strings"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 40_000}, "stop_token_ids",
+         "stop_token_ids: 40000 ids, more than the vocabulary"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(9000)}},
+         "logit_bias", f"logit_bias: more than {MAX_OTHER_VALUES} values"),
+        ("/v1/completions", {"prompt": "x", "junk": [[1]] * 40_000}, "junk",
+         f"junk: more than {MAX_OTHER_VALUES} values"),
+        ("/v1/chat/completions", {"messages": [msg] * 20_000}, "messages",
+         "messages: more than max_model_len=64 messages"),
+        ("/v1/chat/completions", {"messages": [{**msg, "content": [part] * 3000}]}, "messages",
+         "messages: at most 2048 content parts per request"),
+        ("/v1/chat/completions", {"messages": [{**msg, "tool_calls": [[1]] * 20_000}]},
+         "messages", f"messages: more than {MAX_OTHER_VALUES} values"),
+        ("/tokenize", {"messages": [msg] * 20_000}, "messages",
+         "messages: more than max_model_len=64 messages"),
+    ]
+    for path, body, param, words in cases:
+        raw = json.dumps(body).encode()
+        assert len(raw) > SHAPE_CHECK_BYTES
+        r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"].startswith(words), (words, err)
+        assert err["type"] == "invalid_request_error"
+    # small bodies: the models' own caps, in the same words
+    small = [({"messages": [{"role": "user"}] * 2049}, "messages: at most 2048 messages"),
+             ({"messages": [{"role": "user", "content": [part] * 1025}] * 2},
+              "messages: at most 2048 content parts")]
+    for body, words in small:
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        assert len(raw) < SHAPE_CHECK_BYTES
+        r = client.post("/v1/chat/completions", content=raw,
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(words), r.text
+    # within the caps, or not JSON at all: the usual answers
+    r = client.post("/v1/completions", json={"prompt": "x" * 100_000, "max_tokens": 2})
+    assert r.status_code == 400 and "max_model_len=64" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [[1, 2]] * 256, "max_tokens": 1,
+                                             "pad": "y" * SHAPE_CHECK_BYTES})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 256, r.text
+    broken = b'{"prompt": [[1] [2]], "pad": "' + b"y" * SHAPE_CHECK_BYTES + b'"}'
+    r = client.post("/v1/completions", content=broken,
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+
+
 def test_prompt_encoder_matches_the_tokenizer() -> None:
     """The tokenizer of the embedded default model: the GIL-free encode gives the same ids, and
     the bytes-per-token bound it refuses long prompts by holds."""

@@ -17,7 +17,8 @@ and ``[DONE]``), and only then may the HTTP server close its connections.
 
 The routes live by concern: ``serving_completion`` and ``serving_chat`` (the two generation
 endpoints), ``streaming`` (SSE and what both share), ``params`` (request -> SamplingParams and MC
-overrides), ``state``, ``errors``, ``middleware`` (auth, body size) and ``metrics``.
+overrides), ``state``, ``errors``, ``middleware`` (auth, body size, and ``shape``: the caps on
+a large body's lists, checked before it is parsed) and ``metrics``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from mcserve.server.metrics import EngineStatsCollector, ServerMetrics
 from mcserve.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from mcserve.server.serving_chat import chat_prompt, create_chat_completion
 from mcserve.server.serving_completion import create_completion
+from mcserve.server.shape import ShapeLimits
 from mcserve.server.state import ServerState
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING_REQUESTS", "build_app"]
@@ -145,7 +147,7 @@ def build_app(
     app.state.async_engine = aengine
     app.state.drain = drain
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
-                       state=st)
+                       state=st, shape=ShapeLimits(st.max_model_len, st.vocab_size))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

@@ -1,5 +1,6 @@
-"""ASGI middleware run before any parsing: the API-key check (401) and the request-body size
-limit (413), so that neither an unauthorised client nor an oversized body costs a JSON parse.
+"""ASGI middleware run before any parsing: the API-key check (401), the request-body size
+limit (413) and, for a large body, the caps on its shape (400, ``shape.py``), so that neither an
+unauthorised client, nor an oversized body, nor 4 MiB of tiny JSON values costs a JSON parse.
 It also counts the HTTP requests whose response is not fully sent (a shutdown waits for them)
 and, once the server drains, asks clients to close their connection after each response."""
 
@@ -11,6 +12,7 @@ from typing import Protocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcserve.server.errors import error_response
+from mcserve.server.shape import ShapeLimits, check_shape
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 # routes behind the API key; /health, /metrics, /version and the docs stay open to probes
@@ -27,14 +29,16 @@ class InFlight(Protocol):
 
 
 class GuardMiddleware:
-    """API-key check (401) and request-body size limit (413), before any parsing."""
+    """API-key check (401), request-body size limit (413) and, with ``shape``, the caps on a
+    large body's shape (400), before any parsing."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 state: InFlight | None = None):
+                 state: InFlight | None = None, shape: ShapeLimits | None = None):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.state = state
+        self.shape = shape
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,6 +101,12 @@ class GuardMiddleware:
                 if not message.get("more_body", False):
                     break
             body = b"".join(chunks)
+            if self.shape is not None:
+                over = check_shape(path, body, self.shape)
+                if over is not None:
+                    await error_response(400, over.message, param=over.param)(
+                        scope, receive, send)
+                    return
             scope = _json_content_type(scope, body)
             replay: list[Message] = [{"type": "http.request", "body": body,
                                       "more_body": False}]

@@ -30,6 +30,8 @@ MAX_N = 128  # completions per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling.MAX_LOGPROBS)
 MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 256  # prompts in one completions request
+MAX_MESSAGES = 2048  # messages in one chat (or /tokenize) request
+MAX_CONTENT_PARTS = 2048  # content parts in one chat request, all messages together
 DEFAULT_MAX_TOKENS = 16  # completions' max_tokens when absent or null (OpenAI's default)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -159,6 +161,19 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
 
 
+def _check_messages(value: Any) -> Any:
+    """Before the messages are validated: a body of 100000 messages is refused at once (a large
+    body is refused earlier still, by the same caps, in ``shape.py``)."""
+    if isinstance(value, list):
+        if len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages per request")
+        parts = sum(len(m["content"]) for m in value
+                    if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if parts > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts per request")
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -174,6 +189,11 @@ class ChatCompletionRequest(SamplingFields):
         None, description="Only {'type': 'text'} is supported."
     )
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        return _check_messages(value)
+
 
 class TokenizeRequest(OpenAIModel):
     """POST /tokenize: ``prompt`` or ``messages`` (chat template applied)."""
@@ -183,6 +203,11 @@ class TokenizeRequest(OpenAIModel):
     messages: Annotated[list[ChatMessage], Field(fail_fast=True)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        return _check_messages(value)
 
 
 class DetokenizeRequest(OpenAIModel):
