@@ -186,6 +186,20 @@ def configure_serve_parser(p: argparse.ArgumentParser) -> None:
                    "installed)")
     s.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="uvicorn's event loop (default: %(default)s: uvloop when installed)")
+    r = p.add_argument_group("scale-out (Ray Serve, docs/scale-out.md; needs mcserve[serve-ray])")
+    r.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="serve N engine replicas behind one endpoint with Ray Serve, routed to "
+                   "the replica holding a prompt's cached state (default: one process, no Ray)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (ray start --head / --address) instead of "
+                   "starting a local one")
+    r.add_argument("--replica-threads", type=positive_int, default=1, metavar="N",
+                   help="CPU threads (and Ray CPUs) per replica (default: %(default)s); a "
+                   "CUDA replica also takes one GPU")
+    r.add_argument("--router", default="state", choices=["state", "pow2"],
+                   help="state: to the replica holding the longest cached prefix, the least "
+                   "loaded one (with state migration) under imbalance; pow2: Ray Serve's "
+                   "default (default: %(default)s)")
     p.set_defaults(func=run_serve)
 
 
@@ -237,6 +251,8 @@ def run_serve(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr,
     )
+    if getattr(args, "replicas", None):
+        return _run_serve_ray(args)
     try:
         import uvicorn
 
@@ -354,6 +370,32 @@ def run_serve(args: argparse.Namespace) -> int:
                          "(see the error above)")
     logger.info("mcserve stopped")
     return 0
+
+
+def _run_serve_ray(args: argparse.Namespace) -> int:
+    """``--replicas N``: the same API, flags, errors and drain, over Ray Serve replicas."""
+    try:
+        from mcserve.server.ray_app import run_serve_ray
+    except ImportError as e:
+        raise CLIError(f"--replicas needs Ray Serve ({e.name} is missing): pip install "
+                       "'mcserve[serve-ray]'") from None
+    try:
+        config = engine_config_from_args(args)
+    except (ValueError, TypeError) as e:
+        raise CLIError(_as_flag(first_line(e))) from None
+    check_device(config.device)
+    if args.api_key is not None:
+        api_key, key_from = args.api_key, "flag"
+    else:
+        api_key = os.environ.get(API_KEY_ENV) or None
+        key_from = "env" if api_key is not None else None
+
+    def ready(port: int, served: str) -> None:
+        logger.info("ready on http://%s:%d; an example request (on stdout):",
+                    _url_host(args.host), port)
+        print(curl_example(args.host, port, served, key_from), flush=True)
+
+    return run_serve_ray(args, config, api_key=api_key, ready=ready)
 
 
 def main(argv: list[str] | None = None) -> int:
