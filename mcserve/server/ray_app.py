@@ -113,7 +113,9 @@ class RayServeOptions:
     cpu_threads: int = 1  # torch threads (and Ray CPUs) per replica
     num_gpus: float | None = None  # per replica; None: 1 when the device is CUDA, else 0
     router: str = "state"  # "state" (StateAffinityRouter) or "pow2" (Ray Serve's default)
-    imbalanced_threshold: int = 4  # queue-length gap beyond which affinity yields to load
+    # queue-length gap beyond which affinity yields to load: small, since the replica that
+    # takes the request migrates the prefix instead of recomputing it
+    imbalanced_threshold: int = 1
     routing_stats_period_s: float = 1.0
     max_ongoing_requests: int = 256  # per replica, for Serve's router; the engine queues
     api_key: str | None = None
@@ -310,7 +312,7 @@ class MCServeEngine:
             hashes = []
         return {"replica": self.name, "cached": hashes}
 
-    async def metrics_text(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def metrics_text(self, req: dict[str, Any] | None = None) -> dict[str, Any]:
         """This replica's Prometheus exposition (the ingress merges all replicas')."""
         return {"replica": self.name,
                 "text": _generate_latest(self.metrics.registry).decode()}
@@ -465,6 +467,31 @@ def known_replicas(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> list[s
     return sorted(short_id(a["name"]) for a in names
                   if isinstance(a, dict) and str(a.get("name", "")).startswith(prefix))
 
+
+
+async def gather_replicas(handle: Any, method: str, names: list[str],
+                          timeout_s: float = 10.0) -> dict[str, Any]:
+    """``{replica: method's answer}`` from each of ``names``: calls pinned with ``to`` (the
+    state-affinity router honours it; under another router a call may land elsewhere, so the
+    answers are kept by the replica that gave them and the missing ones asked again, a bounded
+    number of times). One call at a time: siblings of one request (``RemoteRequestStream``)."""
+    out: dict[str, Any] = {}
+    for _ in range(4):
+        missing = [n for n in names if n not in out]
+        if not missing:
+            break
+        for n in missing:
+            if n in out:
+                continue
+            try:
+                res = await asyncio.wait_for(getattr(handle, method).remote({"to": n}),
+                                             timeout_s)
+            except Exception as e:  # noqa: BLE001 - a replica restarting: the others answer
+                logger.warning("%s of replica %s: %s: %s", method, n, type(e).__name__, e)
+                continue
+            if isinstance(res, dict) and res.get("replica") in names:
+                out.setdefault(res["replica"], res.get("text", res))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -799,16 +826,13 @@ class MCServeIngress:
     async def metrics_exposition(self) -> bytes:
         app_name = serve.get_replica_context().app_name
         names = known_replicas(app_name)
-        texts: dict[str, str] = {}
-        for n in names:  # one after the other: siblings of one request (RemoteRequestStream)
-            try:
-                res = await asyncio.wait_for(self.handle.metrics_text.remote({"to": n}), 10.0)
-            except Exception as e:  # noqa: BLE001 - a replica restarting: the others answer
-                logger.warning("metrics of replica %s: %s: %s", n, type(e).__name__, e)
-                continue
-            if isinstance(res, dict) and res.get("replica") == n:
-                texts[n] = res["text"]
+        texts = await gather_replicas(self.handle, "metrics_text", names)
         return merge_metrics(texts)
+
+    async def replica_stats(self) -> dict[str, Any]:
+        """Every engine replica's ``stats`` (pools, prefix cache, transfers), by replica."""
+        names = known_replicas(serve.get_replica_context().app_name)
+        return await gather_replicas(self.handle, "stats", names, timeout_s=30.0)
 
     async def drain(self, grace_s: float | None = None) -> int:
         """The single server's drain (503 for new requests, grace for running ones, then

@@ -42,7 +42,7 @@ class StateAffinityRouter(RequestRouter):
     (the callee checks). Requests that are not dicts get a random pair, as the default router.
     """
 
-    def initialize_state(self, imbalanced_threshold: int = 4, routed_ttl_s: float = 30.0,
+    def initialize_state(self, imbalanced_threshold: int = 1, routed_ttl_s: float = 30.0,
                          **_: Any) -> None:
         self.imbalanced_threshold = imbalanced_threshold
         # routed hashes count until the replica's own report has had time to include them
