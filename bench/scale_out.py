@@ -10,9 +10,13 @@ runs the same workload over HTTP:
 * ``--conversations`` multi-turn conversations, ``--concurrency`` of them at a time; every
   conversation starts with the same ~``--system-tokens`` system prompt, then ``--turns`` turns
   of ``--user-tokens`` new tokens each, every turn's prompt being the whole conversation so far
-  (previous answers included); answers are ``--max-tokens`` greedy tokens, streamed.
+  (previous answers included), after a pause of ``--think-s`` on average; answers are
+  ``--max-tokens`` greedy tokens, streamed.
 * measured: prefix-hit rate (cached blocks / blocks looked up, summed over replicas, from the
-  merged /metrics), TTFT p50 / p99 (send to the first streamed text), throughput (generated
+  merged /metrics; its ceiling is the share of looked-up blocks that are not new content),
+  the hit rate of *reusable* blocks (of the blocks some replica had computed before a request
+  was sent, the share its replica reused: the router's own quality), TTFT p50 / p99 (send to
+  the first streamed text), throughput (generated
   tokens / wall time), blocks and bytes migrated, and blocks left in use on every replica after
   the run (must be 0).
 
@@ -90,25 +94,42 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
-async def run_workload(base: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
+async def run_workload(base: str, system: str, args: argparse.Namespace,
+                       keys: Any) -> dict[str, Any]:
+    """``keys(ids)``: the prompt's prefix-cache keys (``RemoteEngineView.prefix_hashes``)."""
     import httpx
 
     ttft: list[float] = []
     tokens = 0
     failed = 0
+    # blocks some replica computed before a request was sent (prompts of finished requests):
+    # the most any router could have reused for it
+    seen: set[bytes] = set()
+    reusable = 0
+    reused = 0
     sem = asyncio.Semaphore(args.concurrency)
     timeout = httpx.Timeout(600.0)
 
     async def conversation(i: int, client: httpx.AsyncClient) -> None:
-        nonlocal tokens, failed
+        nonlocal tokens, failed, reusable, reused
         rng = random.Random(1000 + i)
         conv = system
         async with sem:
             for t in range(args.turns):
+                if t and args.think_s > 0:
+                    # the user reads and types: without it, the replica that just finished
+                    # this conversation's turn is the least loaded when the next one comes, and
+                    # a load-only router follows conversations by accident
+                    await asyncio.sleep(rng.uniform(0, 2 * args.think_s))
                 conv += f"\nUser {t}: " + words(rng, args.user_tokens) + "\nAssistant:"
                 body = {"prompt": conv, "max_tokens": args.max_tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True,
                         "stream_options": {"include_usage": True}}
+                ids = (await client.post("/tokenize", json={"prompt": conv})).json()["tokens"]
+                hashes = keys(ids)
+                avail = 0
+                while avail < len(hashes) and hashes[avail] in seen:
+                    avail += 1
                 t0 = time.perf_counter()
                 first = None
                 answer = []
@@ -131,15 +152,20 @@ async def run_workload(base: str, system: str, args: argparse.Namespace) -> dict
                                 answer.append(ch["text"])
                         if ev.get("usage"):
                             tokens += ev["usage"]["completion_tokens"]
+                            cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
+                            reusable += avail
+                            reused += min(avail, cached // args.segment_len)
                 if first is not None:
                     ttft.append(first)
+                seen.update(hashes)
                 conv += "".join(answer)
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=base, timeout=timeout) as client:
         await asyncio.gather(*(conversation(i, client) for i in range(args.conversations)))
     wall = time.perf_counter() - t0
-    return {"ttft": ttft, "tokens": tokens, "wall_s": wall, "failed": failed}
+    return {"ttft": ttft, "tokens": tokens, "wall_s": wall, "failed": failed,
+            "reusable_blocks": reusable, "reused_blocks": reused}
 
 
 def blocks_in_use(app_name: str) -> dict[str, int]:
@@ -222,8 +248,17 @@ def bench_router(router: str, args: argparse.Namespace, port: int) -> dict[str, 
     base = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=base, timeout=120)
     system = fit_text(client, args.system_tokens, seed=1)
+    from ray import serve as _serve
+
+    from mcserve.server.ray_app import ENGINE_DEPLOYMENT, RemoteEngineView
+
+    info = _serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name).info.remote().result(
+        timeout_s=60)
+    view = RemoteEngineView(info, tokenizer=None)
+    args.segment_len = view.segment_len
     before = client.get("/metrics").text
-    res = asyncio.run(run_workload(base, system, args))
+    res = asyncio.run(run_workload(base, system, args,
+                                   lambda ids: view.prefix_hashes(ids, None)))
     after = client.get("/metrics").text
 
     def delta(name: str) -> float:
@@ -236,6 +271,11 @@ def bench_router(router: str, args: argparse.Namespace, port: int) -> dict[str, 
         "failed": res["failed"],
         "prefix_hit_rate": hits / queries if queries else None,
         "prefix_blocks_hit": hits, "prefix_blocks_queried": queries,
+        # of the blocks some replica had computed before the request was sent, the share the
+        # serving replica reused (from each response's cached_tokens)
+        "reusable_hit_rate": (res["reused_blocks"] / res["reusable_blocks"]
+                              if res["reusable_blocks"] else None),
+        "reusable_blocks": res["reusable_blocks"],
         "ttft_p50_s": quantile(res["ttft"], 0.5), "ttft_p99_s": quantile(res["ttft"], 0.99),
         "ttft_mean_s": statistics.fmean(res["ttft"]) if res["ttft"] else None,
         "throughput_tok_s": res["tokens"] / res["wall_s"], "wall_s": res["wall_s"],
@@ -263,6 +303,8 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--user-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--think-s", type=float, default=0.5,
+                    help="mean pause between a conversation's turns (uniform 0..2x)")
     ap.add_argument("--migrate-tokens", type=int, default=4096)
     ap.add_argument("--imbalanced-threshold", type=int, default=1)
     ap.add_argument("--routers", default="state,pow2")
@@ -294,14 +336,16 @@ def main() -> int:
     rows = []
     for r in results:
         rows.append([r["router"], f"{r['prefix_hit_rate']:.1%}" if r["prefix_hit_rate"]
-                     is not None else "-", f"{r['ttft_p50_s'] * 1e3:.0f} ms",
+                     is not None else "-",
+                     f"{r['reusable_hit_rate']:.1%}" if r["reusable_hit_rate"] is not None
+                     else "-", f"{r['ttft_p50_s'] * 1e3:.0f} ms",
                      f"{r['ttft_p99_s'] * 1e3:.0f} ms", f"{r['throughput_tok_s']:.1f}",
                      f"{int(r['blocks_migrated'])}", f"{r['bytes_migrated'] / 2**20:.1f} MiB",
                      r["failed"], sum(r["blocks_in_use_after"].values())])
     env = env_info()
     print(env_line(env))
-    print_table(rows, ["router", "prefix hits", "TTFT p50", "TTFT p99", "tok/s", "blocks moved",
-                       "bytes moved", "failed", "blocks left"],
+    print_table(rows, ["router", "prefix hits", "of reusable", "TTFT p50", "TTFT p99", "tok/s",
+                       "blocks moved", "bytes moved", "failed", "blocks left"],
                 title=f"{args.conversations} conversations x {args.turns} turns, "
                       f"{args.system_tokens}-token shared system prompt, "
                       f"{args.replicas} replicas x {args.threads} thread(s)")
@@ -312,6 +356,8 @@ def main() -> int:
         summary["ttft_p50_ratio_default_over_state"] = d["ttft_p50_s"] / s["ttft_p50_s"]
         summary["prefix_hit_rate_state"] = s["prefix_hit_rate"]
         summary["prefix_hit_rate_default"] = d["prefix_hit_rate"]
+        summary["reusable_hit_rate_state"] = s["reusable_hit_rate"]
+        summary["reusable_hit_rate_default"] = d["reusable_hit_rate"]
         print(f"TTFT p50: default / state = {summary['ttft_p50_ratio_default_over_state']:.2f}x")
     probe = by.get("state", {}).get("migration_probe")
     if probe:
