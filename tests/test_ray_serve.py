@@ -41,6 +41,7 @@ from mcserve.server.ray_app import (  # noqa: E402
     REPLICA_HEADER,
     DeploymentFailed,
     RayServeOptions,
+    app_builder,
     build_serve_app,
     deploy,
     known_replicas,
@@ -136,6 +137,9 @@ def test_options_from_args_and_cli_flags(tmp_path: Path):
                         "enable_prefix_caching": True}
     with pytest.raises(ValueError, match="unknown argument"):
         options_from_args({"replica": 2})
+    # the entry point of `serve run` and a RayService builds without a cluster
+    app = app_builder({"model": str(tmp_path), "replicas": "2", "router": "state"})
+    assert isinstance(app, serve.Application)
     from mcserve.server.cli_serve import configure_serve_parser
 
     p = argparse.ArgumentParser()

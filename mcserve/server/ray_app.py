@@ -196,6 +196,26 @@ def _settle(fut: asyncio.Future[Any], res: Any, exc: BaseException | None) -> No
         fut.set_result(res)
 
 
+# most block hashes a replica reports per routing-stats period (16 bytes each): a pool of
+# millions of blocks would otherwise ship megabytes every second
+MAX_REPORTED_HASHES = 65536
+
+
+def _cached_hashes(engine: Any) -> list[bytes]:
+    """The hashes of the blocks in use, then of the cached ones most recently used first, up to
+    ``MAX_REPORTED_HASHES`` (run on the engine thread)."""
+    c = engine.cache
+    held = [h for bid, h in enumerate(c.hash_of) if h is not None and c.ref[bid] > 0]
+    out = held[:MAX_REPORTED_HASHES]
+    for bid in reversed(c.evictable):
+        if len(out) >= MAX_REPORTED_HASHES:
+            break
+        h = c.hash_of[bid]
+        if h is not None:
+            out.append(h)
+    return out
+
+
 def _error_item(e: BaseException) -> dict[str, Any]:
     """An engine-side error as data, so the ingress maps it to the single server's answer
     (Ray would otherwise wrap it in its own exception types)."""
@@ -307,7 +327,7 @@ class MCServeEngine:
     async def record_routing_stats(self) -> dict[str, Any]:
         """The block hashes cached here, for the routers (Serve polls this periodically)."""
         try:
-            hashes = await self.aengine.call(lambda e: list(e.cache.by_hash), timeout=5.0)
+            hashes = await self.aengine.call(_cached_hashes, timeout=5.0)
         except Exception:  # noqa: BLE001 - stats must not fail the replica
             hashes = []
         return {"replica": self.name, "cached": hashes}
