@@ -220,6 +220,9 @@ class EngineConfig:
     # CPU: run nn.Linear layers through oneDNN-packed weight copies (models/packed_linear.py);
     # 2-3x faster GEMMs at decode batch sizes, at the cost of a second copy of the weights
     cpu_packed_weights: bool = True
+    # CUDA: no CUDA graphs of the decode step (captured per batch-size bucket at start-up
+    # otherwise); the CPU never uses them
+    enforce_eager: bool = False
     host_state_blocks: int = 0  # host tier for preempted sequences' blocks (0 = recompute)
     enable_prefix_caching: bool = True
     dtype: str = "float32"

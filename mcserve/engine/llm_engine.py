@@ -86,7 +86,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cache, self.mc, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, self.mc)
+        self.runner = ModelRunner(model, self.cache, self.mc, max_model_len=config.max_model_len)
+        if not config.enforce_eager and model.device.type == "cuda":
+            # one graph per (batch, table width) bucket, before any request: the decode step
+            # then replays instead of launching its kernels one by one
+            self.runner.capture_decode_graphs()
         self.scheduler.on_release = self.runner.release
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
@@ -237,6 +241,7 @@ class LLMEngine:
                 if seq.num_computed_tokens == seq.num_tokens:
                     to_sample.append((seq, logits[-1]))
             except Exception as e:  # fails only the requests of this prefill (batch)
+                self._free_unused_blocks(group)
                 for item in group:
                     self._fail(self.requests[item.seq.request_id], e)
         if sched.decodes:
@@ -244,9 +249,12 @@ class LLMEngine:
                 logits = self.runner.decode(sched.decodes)
                 for r, item in enumerate(sched.decodes):
                     to_sample.append((item.seq, logits[r]))
-            except Exception as e:
+            except Exception as e:  # fails the batch's requests, which report as finished
+                self._free_unused_blocks(sched.decodes)
                 for item in sched.decodes:
-                    self._fail(self.requests[item.seq.request_id], e)
+                    req = self.requests[item.seq.request_id]
+                    touched[req.request_id] = req
+                    self._fail(req, e)
         to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
         seqs: list[Sequence] = []
         if to_sample:
@@ -277,6 +285,14 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _free_unused_blocks(self, items: list) -> None:
+        """Blocks the scheduler allocated for a step that failed before they joined their
+        sequence's table (the sequence's own blocks are freed when it finishes)."""
+        for item in items:
+            unused = [b for b in item.new_blocks if b not in item.seq.block_table]
+            if unused:
+                self.cache.free(unused)
 
     def _drop_non_finite(self, seqs: list[Sequence], logits: torch.Tensor,
                          touched: dict[str, _Request]) -> tuple[list[Sequence], torch.Tensor]:

@@ -7,10 +7,15 @@
 * Decodes run as one ragged batch (``MCForCausalLM.forward_paged``): rows at different
   positions, with different numbers of cached segments, read their blocks from the pool through
   a padded block table. No Python loop over sequences.
+* The static decode step (``static_forward``) pads that batch to a bucket size (padded rows on
+  the state cache's scratch slot) and the table to a bucket width, reading its inputs from one
+  static buffer: the step CUDA graphs replay (``cuda_graphs.py``). Checkpoint pushes and
+  counters happen after the step, on the host's knowledge of the rows (``_finish_decode``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from functools import partial
 
@@ -18,15 +23,19 @@ import torch
 from torch import Tensor
 
 from mcserve.config import MCConfig
+from mcserve.engine.cuda_graphs import DecodeGraphs, bucket, decode_buckets, table_buckets
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache, chain_hashes
-from mcserve.models.mc import MCLayerState, PagedLayer
+from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.native import LayerState, MCForCausalLM, ModelState
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: MCForCausalLM, cache: StateCache, mc: MCConfig):
+    def __init__(self, model: MCForCausalLM, cache: StateCache, mc: MCConfig, *,
+                 max_model_len: int | None = None):
         self.model = model
         self.cache = cache
         self.mc = mc
@@ -43,6 +52,27 @@ class ModelRunner:
         # layer): the sequences keep their model state privately instead of in the pools
         self.private = mc.log_segmented
         self.states: dict[int, ModelState] = {}
+        # static decode (``static_forward``): the batch padded to a bucket of
+        # ``batch_buckets``, the block table to one of ``width_buckets`` (the most cached
+        # segments a sequence can have: max_model_len's, and no more than the pools hold); the
+        # step CUDA graphs capture. Off by default on the CPU, where the ragged step is faster
+        self.reads_table = mc.caches_blocks and not all(m.collapsed for m in self.mems)
+        cap = cache.num_blocks + cache.num_host_blocks
+        if max_model_len is not None:
+            cap = min(cap, max_model_len // mc.segment_len)
+        self.batch_buckets = decode_buckets(cache.num_slots)
+        self.width_buckets = table_buckets(cap if self.reads_table else 0)
+        self.static_decode = False
+        self.graphs: DecodeGraphs | None = None
+        # the static inputs, one buffer: (token, slot, fill, segments, top_k) rows, then the
+        # table; on a GPU filled by one copy from a pinned twin
+        B, N = self.batch_buckets[-1], self.width_buckets[-1]
+        dev = model.device
+        self._static_in = torch.empty(5 * B + B * N, dtype=torch.long, device=dev)
+        self._static_host = (torch.empty(5 * B + B * N, dtype=torch.long, pin_memory=True)
+                             if dev.type == "cuda" else None)
+        self.reset_static_inputs()
+        cache.clear_slot(cache.scratch_slot, self.init_mem)
 
     # ------------------------------------------------------------------ state <-> pool
     def release(self, seq: Sequence) -> None:
@@ -233,6 +263,24 @@ class ModelRunner:
                 s.num_computed_tokens += 1
                 rows.append(logits[0, -1])
             return torch.stack(rows)
+        # host-tier blocks and per-request top_k are known on the host: no read-back of the
+        # table or the top_k tensor (a sync per step on a GPU)
+        hb = self.cache.host_base
+        offloaded = self.cache.num_host_blocks > 0 and any(
+            b >= hb for s in seqs for b in s.block_table)
+        if self.static_decode:
+            shape = self._static_shape(seqs)
+            if shape is not None:
+                logits = self._decode_static(seqs, *shape, offloaded)
+                self._finish_decode(items)
+                return logits
+        return self._decode_ragged(items, offloaded)
+
+    def _decode_ragged(self, items: list[ScheduledSeq], offloaded: bool) -> Tensor:
+        """``decode`` at the batch's own shape: rows in slot order, the table as wide as the
+        longest one; the slot pool's rows are views when the slots are contiguous."""
+        dev = self.model.device
+        seqs = [it.seq for it in items]
         # rows in slot order: when the slots are one contiguous range (the usual case with
         # continuous batching), every layer's online state is a view of the slot pool and is
         # updated in place, with no gather before the step and no scatter after it
@@ -253,72 +301,211 @@ class ModelRunner:
                     table[r, :len(s.block_table)] = s.table_tensor(dev)
         seg_len = torch.tensor([s.segment_fill for s in seqs], dtype=torch.long, device=dev)
         n_seg = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long, device=dev)
+        ks = [s.mc_top_k or self.mc.top_k for s in seqs]
+        per_row = any(s.mc_top_k for s in seqs)
+        top_k = torch.tensor(ks, device=dev) if per_row else None
         layers = []
-        offloaded = bool((table >= self.cache.host_base).any())
-        top_k = (torch.tensor([s.mc_top_k or self.mc.top_k for s in seqs], device=dev)
-                 if any(s.mc_top_k for s in seqs) else None)
         rows_in = []  # per layer: the slot tensors' rows as handed to the model
         for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
                                               strict=True)):
-            keys = mc.family.readout_keys
             got = {n: t[idx] for n, t in sl.items()}  # views when contiguous, else copies
             rows_in.append(got)
-            layers.append(PagedLayer(
-                mem={n[4:]: t for n, t in got.items() if n.startswith("mem.")},
-                conv=got.get("conv"),
-                seg_ksum=got["seg_ksum"], seg_len=seg_len, n_seg=n_seg,
-                csum={k: got[f"csum.{k}"] for k in keys} if mc.collapsed else None,
-                table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
-                fetch=partial(self.cache.fetch, li) if offloaded else None, top_k=top_k,
-                inplace=True,  # views of the pool, or gathered copies: writable either way
-                host_pool=({k: self.cache.host[li][f"mem.{k}"] for k in keys}
-                           if offloaded else None),
-                host_base=self.cache.host_base,
-            ))
+            layers.append(self._paged_layer(li, mc, got, bl, seg_len, n_seg, table, top_k,
+                                             (min(ks), max(ks)) if per_row else None,
+                                             offloaded))
         tokens = torch.tensor([[s.last_id] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model.forward_paged(tokens, layers)[:, 0]
-        # rows whose segment completes with this token push a checkpoint
-        C = self.mc.segment_len
-        done = [r for r, s in enumerate(seqs)
-                if self.caches_blocks and s.segment_fill + 1 == C]
-        if done:
-            rows = torch.tensor(done, dtype=torch.long, device=dev)
-            bids = torch.tensor([items[r].new_blocks[0] for r in done], dtype=torch.long,
-                                device=dev)
-            for mc, bl, pl, init in zip(self.mems, self.cache.block, layers, self.init_mem,
-                                        strict=True):
-                for k, t in pl.mem.items():
-                    bl[f"mem.{k}"][bids] = t[rows]
-                bl["ksum"][bids] = pl.seg_ksum[rows]
-                pl.seg_ksum[rows] = 0
-                if pl.conv is not None:
-                    bl["conv"][bids] = pl.conv[rows]
-                if mc.collapsed:
-                    for k in mc.family.readout_keys:
-                        pl.csum[k][rows] += pl.mem[k][rows]
-                        bl[f"csum.{k}"][bids] = pl.csum[k][rows]
-                if self.mc.independent:
-                    for k, t in pl.mem.items():
-                        t[rows] = init[k]
         for sl, pl, got in zip(self.cache.slot, layers, rows_in, strict=True):
-            news = {f"mem.{k}": t for k, t in pl.mem.items()}
-            news["seg_ksum"] = pl.seg_ksum
-            if pl.conv is not None:
-                news["conv"] = pl.conv
-            if pl.csum is not None:
-                news.update({f"csum.{k}": t for k, t in pl.csum.items()})
-            for name, t in news.items():
+            for name, t in self._layer_outputs(pl).items():
                 if not (contiguous and t is got[name]):  # not updated in place in the pool
                     sl[name][idx] = t
-        for r, s in enumerate(seqs):
-            s.num_computed_tokens += 1
-            s.segment_fill += 1
-            if r in done:
-                s.segment_fill = 0
-                self._register(s, items[r].new_blocks[0])
+        self._finish_decode(items)
         if order == sorted(order):
             return logits
         back = torch.empty(len(order), dtype=torch.long, device=logits.device)
         back[torch.tensor(order, device=logits.device)] = torch.arange(len(order),
                                                                        device=logits.device)
         return logits[back]  # in the callers' row order
+
+    def _paged_layer(self, li: int, mc: MCMemory, got: dict[str, Tensor],
+                     bl: dict[str, Tensor], seg_len: Tensor, n_seg: Tensor, table: Tensor,
+                     top_k: Tensor | None, top_k_range: tuple[int, int] | None,
+                     offloaded: bool) -> PagedLayer:
+        """Layer ``li``'s ``PagedLayer`` over the slot rows ``got`` (writable views or
+        copies) and the block pool ``bl``."""
+        keys = mc.family.readout_keys
+        return PagedLayer(
+            mem={n[4:]: t for n, t in got.items() if n.startswith("mem.")},
+            conv=got.get("conv"),
+            seg_ksum=got["seg_ksum"], seg_len=seg_len, n_seg=n_seg,
+            csum={k: got[f"csum.{k}"] for k in keys} if mc.collapsed else None,
+            table=table, pool={k: bl[f"mem.{k}"] for k in keys}, ksum_pool=bl["ksum"],
+            fetch=partial(self.cache.fetch, li) if offloaded else None, top_k=top_k,
+            top_k_range=top_k_range,
+            inplace=True,  # views of the pool, or gathered copies: writable either way
+            host_pool=({k: self.cache.host[li][f"mem.{k}"] for k in keys}
+                       if offloaded else None),
+            host_base=self.cache.host_base,
+        )
+
+    @staticmethod
+    def _layer_outputs(pl: PagedLayer) -> dict[str, Tensor]:
+        """A layer's online state after the step, by slot-pool name (the model may have
+        replaced tensors of ``pl`` instead of updating them in place)."""
+        news = {f"mem.{k}": t for k, t in pl.mem.items()}
+        news["seg_ksum"] = pl.seg_ksum
+        if pl.conv is not None:
+            news["conv"] = pl.conv
+        if pl.csum is not None:
+            news.update({f"csum.{k}": t for k, t in pl.csum.items()})
+        return news
+
+    def _finish_decode(self, items: list[ScheduledSeq]) -> None:
+        """After a decode step (the slot pool holds every row's new state): rows whose
+        segment this token completed push a checkpoint into their new block; counters move."""
+        C = self.mc.segment_len
+        done = [it for it in items if self.caches_blocks and it.seq.segment_fill + 1 == C]
+        if done:
+            self._push_completed([it.seq.slot for it in done],
+                                 [it.new_blocks[0] for it in done])
+        for it in items:
+            s = it.seq
+            s.num_computed_tokens += 1
+            s.segment_fill += 1
+        for it in done:
+            it.seq.segment_fill = 0
+            self._register(it.seq, it.new_blocks[0])
+
+    def _push_completed(self, slots: list[int], bids: list[int]) -> None:
+        """The online segment of each slot in ``slots`` is complete: its checkpoint goes into
+        block ``bids[i]``, the segment restarts (key sum zero; independent mode: the initial
+        memory) and collapsed variants add it to their running sum."""
+        dev = self.model.device
+        rows = torch.tensor(slots, dtype=torch.long, device=dev)
+        ids = torch.tensor(bids, dtype=torch.long, device=dev)
+        for mc, sl, bl, init in zip(self.mems, self.cache.slot, self.cache.block, self.init_mem,
+                                    strict=True):
+            mem_names = [n for n in sl if n.startswith("mem.")]
+            for name in mem_names:
+                bl[name][ids] = sl[name][rows]
+            bl["ksum"][ids] = sl["seg_ksum"][rows]
+            sl["seg_ksum"][rows] = 0
+            if "conv" in sl:
+                bl["conv"][ids] = sl["conv"][rows]
+            if mc.collapsed:
+                for k in mc.family.readout_keys:
+                    sl[f"csum.{k}"][rows] += sl[f"mem.{k}"][rows]
+                    bl[f"csum.{k}"][ids] = sl[f"csum.{k}"][rows]
+            if self.mc.independent:
+                for name in mem_names:
+                    sl[name][rows] = init[name[4:]]
+
+    # ------------------------------------------------------------------ static decode
+    def _static_shape(self, seqs: list[Sequence]) -> tuple[int, int] | None:
+        """The (batch, table width) buckets of a static step for ``seqs``; None when the batch
+        or a table is larger than the largest bucket (the ragged step serves it)."""
+        B = bucket(self.batch_buckets, len(seqs))
+        if not self.reads_table:
+            return None if B is None else (B, 0)
+        N = bucket(self.width_buckets, max(1, max(len(s.block_table) for s in seqs)))
+        return None if B is None or N is None else (B, N)
+
+    def _fill_static(self, seqs: list[Sequence], B: int, N: int) -> None:
+        """Write the step's inputs into the static buffer, laid out for (B, N) as
+        ``static_forward`` reads it: rows of (token, slot, segment fill, cached segments,
+        top_k) as a (5, B) block, then the (B, N) block table. Rows past ``len(seqs)`` are
+        padding: the scratch slot, no blocks."""
+        pad = B - len(seqs)
+        k0 = self.mc.top_k
+        vals = ([s.last_id for s in seqs] + [0] * pad
+                + [s.slot for s in seqs] + [self.cache.scratch_slot] * pad
+                + [s.segment_fill for s in seqs] + [0] * pad
+                + [len(s.block_table) for s in seqs] + [0] * pad
+                + [s.mc_top_k or k0 for s in seqs] + [k0] * pad)
+        if N:
+            for s in seqs:
+                vals += s.block_table
+                vals += [-1] * (N - len(s.block_table))
+            vals += [-1] * (N * pad)
+        host = torch.tensor(vals, dtype=torch.long)
+        n = host.numel()
+        if self._static_host is None:  # CPU: the static buffer is host memory already
+            self._static_in[:n].copy_(host)
+        else:  # one pinned host-to-device copy; every step syncs before the next one fills
+            self._static_host[:n].copy_(host)
+            self._static_in[:n].copy_(self._static_host[:n], non_blocking=True)
+
+    def reset_static_inputs(self) -> None:
+        """Padding in every row of the static buffer (what graph capture runs on)."""
+        self._static_in.fill_(-1)
+        B = self.batch_buckets[-1]
+        head = self._static_in[:5 * B].view(5, B)
+        head[0] = 0
+        head[1] = self.cache.scratch_slot
+        head[2:4] = 0
+        head[4] = self.mc.top_k
+
+    def _decode_static(self, seqs: list[Sequence], B: int, N: int, offloaded: bool) -> Tensor:
+        """The static step for ``seqs`` padded to (B, N): a graph replay when one is captured
+        for the shape and the step needs nothing the graph leaves out, else eagerly. Returns
+        the real rows' logits in the callers' order."""
+        self._fill_static(seqs, B, N)
+        per_row = any(s.mc_top_k for s in seqs)
+        if (self.graphs is not None and not offloaded and not per_row
+                and self.graphs.has(B, N)):
+            return self.graphs.replay(B, N)[:len(seqs)].clone()  # the next replay overwrites
+        k_range = None
+        if per_row:
+            ks = [s.mc_top_k or self.mc.top_k for s in seqs]
+            ks += [self.mc.top_k] * (B - len(seqs))
+            k_range = (min(ks), max(ks))
+        return self.static_forward(B, N, top_k_range=k_range, offloaded=offloaded)[:len(seqs)]
+
+    @torch.no_grad()
+    def static_forward(self, B: int, N: int, *, top_k_range: tuple[int, int] | None = None,
+                       offloaded: bool = False) -> Tensor:
+        """The region a CUDA graph captures: one decode token for B rows (padding included)
+        whose inputs ``_fill_static`` wrote, with a block table N wide. Gathers every layer's
+        slot rows, runs embedding → layers (``forward_paged``) → LM head, scatters the rows'
+        new states back and re-initialises the scratch slot (so the padded rows always start
+        from a fresh state and never overflow). Returns logits ``(B, V)``.
+
+        No host syncs, no data-dependent Python branches and no host-to-device copies: shapes
+        come from (B, N) alone. ``top_k_range`` (per-request top_k) and ``offloaded`` (host-tier
+        blocks, fetched on demand) do sync, and are never captured."""
+        head = self._static_in[:5 * B].view(5, B)
+        table = self._static_in[5 * B:5 * B + B * N].view(B, N)
+        tokens, idx, seg_len, n_seg = head[0][:, None], head[1], head[2], head[3]
+        top_k = head[4] if top_k_range is not None else None
+        layers = []
+        for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
+                                              strict=True)):
+            got = {n: t.index_select(0, idx) for n, t in sl.items()}  # (B, ...) copies
+            layers.append(self._paged_layer(li, mc, got, bl, seg_len, n_seg, table, top_k,
+                                            top_k_range, offloaded))
+        logits = self.model.forward_paged(tokens, layers)[:, 0]  # (B, V)
+        for sl, pl in zip(self.cache.slot, layers, strict=True):
+            for name, t in self._layer_outputs(pl).items():
+                sl[name].index_copy_(0, idx, t)  # padded rows all land on the scratch slot
+        self.cache.clear_slot(self.cache.scratch_slot, self.init_mem)
+        return logits
+
+    def capture_decode_graphs(self) -> bool:
+        """Capture the static decode step as CUDA graphs (one per batch and table-width
+        bucket) and turn the static step on; False, with the runner left eager, when the model
+        is not on a CUDA device or its step cannot be captured (a family that syncs, such as
+        the deep memories' inner-chunk fill, or loglinear's private states)."""
+        if self.private or self.model.device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        graphs = DecodeGraphs(self.static_forward, self.batch_buckets, self.width_buckets,
+                              before_capture=self.reset_static_inputs)
+        try:
+            graphs.capture()
+        except Exception as e:  # the eager step still serves; say why once
+            log.warning("decode CUDA graphs disabled, the decode step runs eagerly: %s: %s",
+                        type(e).__name__, e)
+            self.cache.clear_slot(self.cache.scratch_slot, self.init_mem)
+            return False
+        self.graphs = graphs
+        self.static_decode = True
+        return True

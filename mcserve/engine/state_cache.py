@@ -13,6 +13,10 @@ Blocks are reference counted and, with prefix caching, keyed by a chained hash o
 A block whose last owner left stays cached (evictable, least recently used first) until its
 memory is needed. ``allocate`` returns None when the pool is exhausted; it never raises.
 
+The slot pool has one extra row, the *scratch slot*: a static-shape decode step pads its batch
+to a bucket size with rows that point there (and at no block), so they touch nothing that
+matters. It is outside the accounting (``free_slots``, ``is_whole``).
+
 **Host tier** (``host_blocks`` > 0): a second pool in host memory (pinned when the device is
 CUDA). Preempted sequences are swapped there instead of recomputed. With ``ssc``, a running
 sequence's blocks may also be *offloaded* there when the device pool is full: block ids at or
@@ -70,6 +74,7 @@ class StateCache:
         self.num_staging = staging_blocks if host_blocks else 0
         self.host_base = num_blocks + self.num_staging  # first id that names a host block
         self.num_slots = num_slots
+        self.scratch_slot = num_slots  # the extra slot row behind the last real one
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
         template = model.init_state(1)
@@ -84,7 +89,9 @@ class StateCache:
                 entries["conv"] = ls.conv[0]
             if mc.collapsed:
                 entries.update({f"csum.{key}": ls.mc.mem[key][0] for key in mc.family.readout_keys})
-            self.slot.append({name: t.new_zeros((num_slots,) + t.shape)
+            # one row more than there are slots: the scratch slot (``scratch_slot``) that the
+            # padded rows of a static decode batch read and write; never handed to a sequence
+            self.slot.append({name: t.new_zeros((num_slots + 1,) + t.shape)
                               for name, t in entries.items()})
             block = {name: cpu_ops.zeros((self.host_base,) + t.shape, t.dtype, t.device)
                      for name, t in entries.items() if name != "seg_ksum"}

@@ -226,6 +226,9 @@ class PagedLayer:
     # ``table`` is on the device
     fetch: Callable[[Tensor, int], Tensor] | None = None
     top_k: Tensor | None = None  # (B,) per-row ssc top_k overrides; None = MCConfig.top_k
+    # (smallest, largest) of ``top_k`` as host ints, from whoever built it: the pick count is a
+    # shape, and reading it back from the tensor would stall a GPU step; None: read it back
+    top_k_range: tuple[int, int] | None = None
     # ``mem`` may be updated in place (it is a view of the engine's slot pool, or scratch)
     inplace: bool = False
     # the host tier's rows of ``pool`` (ids from ``host_base`` on), for kernels that read host
@@ -394,8 +397,11 @@ class MCMemory:
                 r_c = (pl.ksum_pool[tb] * u_s[:, None]).sum(-1)[:, None]  # (B, 1, N, H)
                 r_c = r_c.masked_fill(~valid[:, None, :, None], float("-inf"))
             k_row = pl.top_k
-            k_max = cfg.top_k if k_row is None else int(k_row.max())
-            if cfg.selects and (N > k_max or (k_row is not None and bool((k_row < N).any()))):
+            k_min = k_max = cfg.top_k
+            if k_row is not None:
+                k_min, k_max = (pl.top_k_range if pl.top_k_range is not None
+                                else (int(k_row.min()), int(k_row.max())))
+            if cfg.selects and (N > k_max or (k_row is not None and k_min < N)):
                 idx = self._select(r_c, min(k_max, N))  # (B, 1, k, H)
                 r_c = r_c.gather(2, idx)
                 if k_row is not None:  # rows asking for fewer picks drop the extra ones
@@ -449,8 +455,8 @@ class MCMemory:
         C, top_k = cfg.segment_len, cfg.top_k
         selects = cfg.selects
         row_top_k = pl.top_k if selects else None
-        if row_top_k is not None:
-            top_k = int(row_top_k.max())  # the kernel's compile-time pick count
+        if row_top_k is not None:  # the largest is the kernel's compile-time pick count
+            top_k = pl.top_k_range[1] if pl.top_k_range is not None else int(row_top_k.max())
         cum = pl.seg_ksum + k[:, 0]
         pl.seg_ksum = cum
         p_on = cum / (pl.seg_len + 1).to(q.dtype)[:, None, None]

@@ -58,6 +58,8 @@ _ENGINE_HELP = {
     "state_cache_mib": ("memory budget in MiB of the automatically sized state pool", None),
     "cpu_packed_weights": ("on CPU, run linear layers through oneDNN-packed copies of their "
                            "weights (faster, twice the weight memory)", None),
+    "enforce_eager": ("on CUDA, run the decode step eagerly instead of replaying CUDA graphs "
+                      "captured at start-up", None),
     "host_state_blocks": ("host-memory tier for the state blocks of preempted sequences "
                           "(0: recompute them instead)", None),
     "enable_prefix_caching": ("reuse the cached segment states of a shared prompt prefix",
