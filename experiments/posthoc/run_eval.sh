@@ -15,6 +15,8 @@ T=${T:-128}
 W=${W:-8}                                      # windows per length
 LENS=$T,$((2*T)),$((4*T)),$((8*T)),$((16*T)),$((32*T))
 H=$((T/2)); D2=$((2*T))
+# Delta-scale candidates: 1/16 (the step that keeps a 16x longer sum at its 1x size) to 2
+GRID=${GRID:-0.0625,0.09,0.125,0.18,0.25,0.35,0.5,0.7,1,1.4,2}
 EV=".venv/bin/mcserve eval"
 mkdir -p "$R"
 part=${1:-all}
@@ -31,7 +33,8 @@ fi
 
 if [[ $part == all || $part == delta ]]; then
   # Delta scaling alone: shared scale, then per-layer coordinate search, at 16x T
-  $EV calibrate-delta "$M" --data $D/calib.bin --length $((16*T)) --windows 4 --no-progress \
+  $EV calibrate-delta "$M" --data $D/calib.bin --length $((16*T)) --windows 3 --no-progress \
+    --grid "$GRID" \
     --out $R/delta_layers.json
   shared=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1]))['shared_scale'])" \
     $R/delta_layers.json)
@@ -41,7 +44,8 @@ fi
 
 if [[ $part == all || $part == combined ]]; then
   # MC and Delta scaling combined: scales calibrated for post:T:independent at 16x T
-  $EV calibrate-delta "$M" --data $D/calib.bin --length $((16*T)) --windows 4 --no-progress \
+  $EV calibrate-delta "$M" --data $D/calib.bin --length $((16*T)) --windows 3 --no-progress \
+    --grid "$GRID" \
     --mc "post:$T:independent" --out $R/delta_post.json
   ppl --no-reset --mc "post:$T:independent,post:$T:checkpoint,grm:$T:checkpoint" \
     --delta-scale $R/delta_post.json --json $R/ppl_combined.json
