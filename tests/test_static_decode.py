@@ -273,15 +273,34 @@ SYNC_FREE = ["linear-grm", "linear-grm-indep", "linear-ssc", "linear-ssc-indep",
              "swla-grm", "linear-none", "mamba2-none", "mamba2-grm", "mamba2-ssc-indep"]
 
 
-@pytest.mark.parametrize("path", ["cpp-float32", "torch-float64"])
+def route_through_kernel_twins(monkeypatch) -> list[int]:
+    """``MCMemory.decode_paged`` of routing linear/swla layers through ``decode_paged_kernels``
+    with the torch twin of the Triton kernel: the control flow a GPU with Triton runs."""
+    from mcserve.models.mc import MCMemory
+
+    real, calls = MCMemory.decode_paged, []
+
+    def decode_paged(mc, pl, q, k, v, u, gates):
+        if mc.family.linear and mc.cfg.routes and mc.cfg.caches_blocks and not mc.collapsed:
+            calls.append(1)
+            return mc.decode_paged_kernels(pl, q, k, v, u, gates, backend="torch")
+        return real(mc, pl, q, k, v, u, gates)
+
+    monkeypatch.setattr(MCMemory, "decode_paged", decode_paged)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["cpp-float32", "torch-float64", "kernel-twins"])
 @pytest.mark.parametrize("name", SYNC_FREE)
 def test_static_step_has_no_host_syncs(monkeypatch, name, path):
     """The captured region: ``static_forward`` for every bucket shape a run reaches. The
     ``torch-float64`` run takes the torch twins of the C++ ops (``twins_only``), i.e. the path
-    a GPU runs without Triton; the deep memories (dla, titans) sync on their inner-chunk fill
-    and are not captured (their step stays eager)."""
+    a GPU runs without Triton; ``kernel-twins`` also routes through ``decode_paged_kernels``
+    (the GPU path with Triton, the kernel replaced by its torch twin). The deep memories (dla,
+    titans) sync on their inner-chunk fill and are not captured (their step stays eager)."""
     model = MODELS[name]()
     f32 = path == "cpp-float32"
+    kernel_calls = route_through_kernel_twins(monkeypatch) if path == "kernel-twins" else None
     if f32:
         model = model.float()
     ctx = contextlib.nullcontext() if f32 else cpu_ops.twins_only()
@@ -297,9 +316,13 @@ def test_static_step_has_no_host_syncs(monkeypatch, name, path):
         return out
 
     monkeypatch.setattr(eng.runner, "static_forward", guarded)
+    ps = prompts(7)
     with ctx:
-        run(eng, prompts(7))
+        got = run(eng, ps)
     assert len(set(calls)) > 1
+    if kernel_calls is not None:
+        assert got == [greedy(model, p, GREEDY.max_tokens) for p in ps]
+        assert bool(kernel_calls) == (model.layers[0].mixer.memory.cfg.variant in ("grm", "ssc"))
     assert eng.cache.is_whole()
 
 

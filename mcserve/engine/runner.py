@@ -71,6 +71,7 @@ class ModelRunner:
         self._static_in = torch.empty(5 * B + B * N, dtype=torch.long, device=dev)
         self._static_host = (torch.empty(5 * B + B * N, dtype=torch.long, pin_memory=True)
                              if dev.type == "cuda" else None)
+        self._static_copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.reset_static_inputs()
         cache.clear_slot(cache.scratch_slot, self.init_mem)
 
@@ -431,9 +432,12 @@ class ModelRunner:
         n = host.numel()
         if self._static_host is None:  # CPU: the static buffer is host memory already
             self._static_in[:n].copy_(host)
-        else:  # one pinned host-to-device copy; every step syncs before the next one fills
+        else:  # one pinned host-to-device copy, asynchronous: the pinned buffer is reused
+            # only once the previous step's copy out of it has finished
+            self._static_copied.synchronize()
             self._static_host[:n].copy_(host)
             self._static_in[:n].copy_(self._static_host[:n], non_blocking=True)
+            self._static_copied.record()
 
     def reset_static_inputs(self) -> None:
         """Padding in every row of the static buffer (what graph capture runs on)."""
