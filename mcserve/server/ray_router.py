@@ -48,6 +48,11 @@ class StateAffinityRouter(RequestRouter):
         # routed hashes count until the replica's own report has had time to include them
         self.routed_ttl_s = routed_ttl_s
         self._routed: dict[ReplicaID, dict[bytes, float]] = {}
+        # requests this router assigned and has not seen complete, per replica (and per
+        # internal request id, with which completions are reported): a burst of decisions
+        # made before any of them reaches a replica sees no queue in Serve's numbers
+        self._inflight: dict[ReplicaID, int] = {}
+        self._assigned: dict[str, list[ReplicaID]] = {}
 
     # -- what each replica holds ---------------------------------------------------------------
     def _reported(self, r: RunningReplica) -> set[bytes]:
@@ -115,6 +120,10 @@ class StateAffinityRouter(RequestRouter):
             return [[target]] if target is not None else [[random.choice(candidate_replicas)]]
         hashes = req.get("hashes") or []
         lens = await self._queue_lens(candidate_replicas)
+        for r in candidate_replicas:
+            mine = self._inflight.get(r.replica_id, 0)
+            if mine > lens.get(r.replica_id, -1):
+                lens[r.replica_id] = mine
         live = [r for r in candidate_replicas if r.replica_id in lens] or candidate_replicas
         inf = float("inf")
         least = min(live, key=lambda r: (lens.get(r.replica_id, inf), random.random()))
@@ -144,6 +153,7 @@ class StateAffinityRouter(RequestRouter):
         # the chosen replica reads it: whom to fetch the prefix from (the request is sent
         # after this returns; a replica that refuses it makes the router choose again)
         req["route"] = route
+        self._count(pending_request, chosen.replica_id)
         if hashes:
             # the replica will cache this prefix once it has prefilled it (recorded here, as
             # one replica is chosen: on_request_routed is not called on every send path)
@@ -153,6 +163,35 @@ class StateAffinityRouter(RequestRouter):
                 routed[h] = now
         return [[chosen]]
 
+    def _count(self, pr: PendingRequest | None, replica_id: ReplicaID) -> None:
+        """Count ``pr`` as in flight on ``replica_id`` (moved there if it was chosen before:
+        a replica that refused it makes the router choose again)."""
+        if pr is None:
+            return
+        iid = pr.metadata.internal_request_id
+        prev = getattr(pr, "_mcserve_replica", None)
+        assigned = self._assigned.setdefault(iid, [])
+        if prev is not None:
+            self._uncount(iid, prev)
+            assigned = self._assigned.setdefault(iid, [])
+        pr._mcserve_replica = replica_id  # type: ignore[attr-defined]
+        assigned.append(replica_id)
+        self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
+
+    def _uncount(self, iid: str, replica_id: ReplicaID) -> None:
+        assigned = self._assigned.get(iid)
+        if not assigned or replica_id not in assigned:
+            return
+        assigned.remove(replica_id)
+        if not assigned:
+            del self._assigned[iid]
+        self._inflight[replica_id] = max(0, self._inflight.get(replica_id, 0) - 1)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._uncount(internal_request_id, replica_id)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._routed.pop(replica_id, None)
+        self._inflight.pop(replica_id, None)
