@@ -158,3 +158,24 @@ def test_served_with_the_openai_client(fmt: str, tmp_path: Path) -> None:
         assert ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
                 == chat.choices[0].message.content)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == N_TOKENS
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_eval_ppl_and_passkey_run_on_every_format(fmt: str, tmp_path: Path) -> None:
+    """``mcserve eval ppl`` and ``passkey`` load every imported format and report the model as
+    is beside post-hoc MC settings."""
+    from mcserve.cli import main
+
+    torch.set_num_threads(1)
+    path = FORMATS[fmt][0](tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("The grass is green and the sky is blue. " * 20)
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "ppl", str(path), "--data", str(text), "--lengths", "48", "--mc",
+                 "post:16,grm:16", "--no-progress", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert "post" in json.dumps(rows) and "grm" in json.dumps(rows)
+    out = tmp_path / "passkey.json"
+    assert main(["eval", "passkey", str(path), "--lengths", "320", "--depths", "0.5",
+                 "--trials", "1", "--mc", "post:16", "--no-progress", "--json", str(out)]) == 0
+    assert "post" in out.read_text()
