@@ -2,10 +2,13 @@
 
     python experiments/posthoc/summarize.py experiments/posthoc/results/*.json
 
-Table 1: window perplexity per setting × length, with the ratio to the plain model's perplexity
-at the training length (1×). Table 2: perplexity per position bucket at the longest length.
-Passkey reports give accuracy per setting × length (mean over depths). A report's
-``delta_scale`` (``--delta-scale``) is shown in the setting's name.
+Table 1: window perplexity per setting × length, and at 16× and 32× the ratio to ``reset:T``
+(T = the shortest length, the training length) on the same windows. ``reset:T`` restarts the
+memory every T tokens, so every position sees at most T tokens of context, as in training: its
+window perplexity is the model's 1× perplexity on exactly those tokens, and the ratio is the
+degradation past the training length with the text held fixed. Table 2: perplexity per
+position bucket at the longest length. Passkey reports give accuracy per setting × length (mean
+over depths). A report's ``delta_scale`` (``--delta-scale``) is shown in the setting's name.
 """
 
 from __future__ import annotations
@@ -30,16 +33,20 @@ def main(paths: list[str]) -> None:
     buckets: list[list[int]] = []
     lengths: set[int] = set()
     pk_rows: dict[str, dict[int, float]] = {}
-    for path in paths:
-        rep = json.loads(Path(path).read_text())
-        if "results" not in rep:
-            continue
+    speed: dict[str, dict[int, float]] = {}
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    reports = [r for r in reports if "results" in r]
+    longest = max((max(r["lengths"]) for r in reports if "bucket_ppl" in r["results"][0]),
+                  default=0)
+    for rep in reports:
         for r in rep["results"]:
             name = _name(rep, r["setting"])
             if "bucket_ppl" in r:
                 ppl_rows.setdefault(name, {})[r["length"]] = r["ppl"]
+                speed.setdefault(name, {})[r["length"]] = (r["length"] * r["windows"]
+                                                           / max(r["seconds"], 1e-9))
                 lengths.add(r["length"])
-                if r["length"] == max(rep["lengths"]) and len(rep["buckets"]) >= len(buckets):
+                if r["length"] == longest:
                     buckets = rep["buckets"]
                     pos_rows[name] = r["bucket_ppl"]
             elif "accuracy" in r:
@@ -48,20 +55,30 @@ def main(paths: list[str]) -> None:
     if ppl_rows:
         L = sorted(lengths)
         L0 = L[0]
-        ref = ppl_rows.get("as-is", {}).get(L0)
+        ref = ppl_rows.get(f"reset:{L0}")
         print("| setting | " + " | ".join(f"{n} ({n // L0}×)" for n in L)
-              + (f" | {L[-2] // L0}× / 1× | {L[-1] // L0}× / 1× |" if ref and len(L) > 2 else " |"))
+              + (f" | {L[-2] // L0}× vs 1× | {L[-1] // L0}× vs 1× |" if ref and len(L) > 2
+                 else " |"))
         print("|---" * (len(L) + 1 + (2 if ref and len(L) > 2 else 0)) + "|")
         for name, row in ppl_rows.items():
             cells = [f"{row[n]:.2f}" if n in row else "-" for n in L]
             if ref and len(L) > 2:
-                cells += [f"{row[n] / ref:.2f}" if n in row else "-" for n in L[-2:]]
+                cells += [f"{row[n] / ref[n] - 1:+.0%}" if n in row and n in ref else "-"
+                          for n in L[-2:]]
             print(f"| {name} | " + " | ".join(cells) + " |")
         print()
         print("| setting | " + " | ".join(f"[{a},{b})" for a, b in buckets) + " |")
         print("|---" * (len(buckets) + 1) + "|")
         for name, row in pos_rows.items():
             print(f"| {name} | " + " | ".join("-" if p is None else f"{p:.2f}" for p in row)
+                  + " |")
+    if speed:
+        L = sorted(lengths)
+        print()
+        print("| setting (tokens/s, 1 thread) | " + " | ".join(str(n) for n in L) + " |")
+        print("|---" * (len(L) + 1) + "|")
+        for name, row in speed.items():
+            print(f"| {name} | " + " | ".join(f"{row[n]:.0f}" if n in row else "-" for n in L)
                   + " |")
     if pk_rows:
         L = sorted({n for row in pk_rows.values() for n in row})
