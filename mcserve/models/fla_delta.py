@@ -37,17 +37,26 @@ swish, ``attn_mode`` values fla itself rejects.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import MCConfig, validate_mc
+from mcserve.config import validate_mc
 from mcserve.models.checkpoint import CheckpointError
+from mcserve.models.importing import (
+    GatedMLP,
+    ImportedConfig,
+    RebuildsUnderMC,
+    causal_conv,
+    check_positive_ints,
+    first_token_id,
+    load_checked,
+    mc_settings,
+)
+from mcserve.models.importing import up as _up
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.delta import DeltaMemory, GatedDeltaMemory
 from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
@@ -55,12 +64,6 @@ from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
 MODEL_TYPES = ("delta_net", "gated_deltanet")
-#: config.json keys that record the training context length, in order of preference, and the MC
-#: settings a config may carry (the registry's lists; the registry imports this module, so it
-#: cannot be imported from here)
-TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
-                        "training_seq_len")
-MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
 _MEMORY = {"delta_net": "delta", "gated_deltanet": "gated_delta"}
 _QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
 _QK_NORMS = ("l2", "sum")
@@ -68,7 +71,7 @@ _L2_EPS = 1e-6  # fla's l2norm: x / sqrt(sum(x^2) + eps)
 
 
 @dataclass(frozen=True)
-class FlaDeltaConfig:
+class FlaDeltaConfig(ImportedConfig):
     """Architecture of a fla DeltaNet / Gated DeltaNet LM plus post-hoc MC settings.
 
     ``n_heads`` and ``head_dim`` are the memory's heads and value dim (what the engine reads);
@@ -108,11 +111,8 @@ class FlaDeltaConfig:
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "qk_heads", "key_dim",
-                     "head_dim", "intermediate_size", "conv_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        check_positive_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "qk_heads",
+                                   "key_dim", "head_dim", "intermediate_size", "conv_size"))
         if self.n_heads % self.qk_heads:
             raise ValueError(f"the value heads ({self.n_heads}) must be a multiple of the q/k "
                              f"heads ({self.qk_heads})")
@@ -148,22 +148,6 @@ class FlaDeltaConfig:
     def conv_dim(self) -> int:
         return 2 * self.qk_dim + self.value_dim
 
-    @property
-    def mc(self) -> MCConfig:
-        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
-                        top_k=self.mc_top_k, share_uq=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes: Any) -> FlaDeltaConfig:
-        return dataclasses.replace(self, **changes)
-
-
-def _up(x: Tensor) -> Tensor:
-    """Half precision → float32 (fla computes norms and gates in float32); float64 stays."""
-    return x.float() if x.element_size() < 4 else x
-
 
 class RMSNorm(nn.Module):
     """x / rms(x) · w over the last dim, in float32 at least (fla's RMSNorm)."""
@@ -179,19 +163,6 @@ class RMSNorm(nn.Module):
         if gate is not None:
             h = h * F.silu(_up(gate))
         return h.to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) · up_proj(x)), fla's GatedMLP with ``hidden_act: swish``."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -249,10 +220,7 @@ class DeltaMixer(nn.Module):
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
         full = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # (B, w-1+T, C)
         new_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-        # w shifted multiply-adds: faster than a grouped conv1d on CPU for these shapes
-        out = full[:, :T] * w[:, 0]
-        for j in range(1, w.shape[1]):
-            out = out + full[:, j:j + T] * w[:, j]
+        out = causal_conv(full, w, T)
         if self.cfg.conv_bias:
             out = out + torch.cat([self.q_conv1d.bias, self.k_conv1d.bias, self.v_conv1d.bias])
         return out, new_tail, full
@@ -336,7 +304,7 @@ class DeltaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class FlaDeltaForCausalLM(RecurrentLM):
+class FlaDeltaForCausalLM(RebuildsUnderMC, RecurrentLM):
     """DeltaNet / Gated DeltaNet LM with post-hoc Memory Caching (model_type ``delta_net`` /
     ``gated_deltanet``).
 
@@ -360,29 +328,8 @@ class FlaDeltaForCausalLM(RecurrentLM):
     def _head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(x))
 
-    def with_mc(self, **mc: Any) -> FlaDeltaForCausalLM:
-        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
-        new = FlaDeltaForCausalLM(self.config.replace(**mc))
-        new.load_state_dict(self.state_dict())
-        return new.to(device=self.device, dtype=self.dtype).eval()
-
 
 # ---------------------------------------------------------------------------- loading
-def training_length(cfg: dict) -> int | None:
-    """The training context length a config records, if any."""
-    for key in TRAINING_LENGTH_KEYS:
-        val = cfg.get(key)
-        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
-            return val
-    return None
-
-
-def _listed(names: list[str], n: int = 8) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(repr(x) for x in names[:n]) + more
-
-
 def config_from_fla(cfg: dict, file: Path) -> FlaDeltaConfig:
     """A ``FlaDeltaConfig`` from an fla ``DeltaNetConfig`` / ``GatedDeltaNetConfig`` dict
     (fla's defaults for absent keys)."""
@@ -440,11 +387,8 @@ def config_from_fla(cfg: dict, file: Path) -> FlaDeltaConfig:
     if inter is None:  # fla's GatedMLP: 2/3 · hidden_ratio · hidden_size, rounded up to 256
         inter = int(d_model * get("hidden_ratio", 4) * 2 / 3)
         inter = 256 * ((inter + 255) // 256)
-    train_len = training_length(cfg)
-    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
-    eos = get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
+    eos = first_token_id(get("eos_token_id"))
     try:
         return FlaDeltaConfig(
             model_type=mt, vocab_size=get("vocab_size", required=True), d_model=d_model,
@@ -456,8 +400,7 @@ def config_from_fla(cfg: dict, file: Path) -> FlaDeltaConfig:
             norm_eps=float(get("norm_eps", 1e-6)),
             tie_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
-            eos_token_id=eos, pad_token_id=get("pad_token_id"),
-            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc, **extra,
+            eos_token_id=eos, pad_token_id=get("pad_token_id"), **mc, **extra,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid {mt} config: {e}") from None
@@ -497,46 +440,5 @@ def load_fla_delta(path: Path, cfg: dict, layout: str, stored: dict[str, Tensor]
     """
     file = path / "config.json"
     mcfg = config_from_fla(cfg, file)
-    renamed: dict[str, Tensor] = {}
-    src_of: dict[str, str] = {}
-    for name, t in stored.items():
-        ours = _our_name(name)
-        if ours in renamed:
-            raise CheckpointError(f"{origin[name]}: tensors {src_of[ours]!r} and {name!r} both "
-                                  f"map to {ours!r}")
-        renamed[ours] = t
-        src_of[ours] = name
-    model = FlaDeltaForCausalLM(mcfg)
-    expected = model.state_dict()
-    weights_file = next(iter(origin.values())) if origin else path
-    tied = {"lm_head.weight"} if mcfg.tie_embeddings else set()
-    if tied and "lm_head.weight" in renamed and "embed.weight" in renamed:
-        if not torch.equal(renamed["lm_head.weight"], renamed["embed.weight"]):
-            raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: 'lm_head.weight' and the "
-                                  f"embedding are tied in {file} but hold different values")
-        renamed.pop("lm_head.weight")
-    missing = [n for n in expected if n not in renamed and n not in tied]
-    if missing:
-        srcs = [_fla_name(n) for n in missing]
-        more = f" (and {_listed(srcs[1:])})" if len(srcs) > 1 else ""
-        raise CheckpointError(f"{weights_file} is missing tensor {srcs[0]!r}{more} required by "
-                              f"{file}")
-    unexpected = [n for n in renamed if n not in expected]
-    if unexpected:
-        names = [src_of[n] for n in unexpected]
-        raise CheckpointError(f"{origin[names[0]]} has tensors this {mcfg.model_type} model "
-                              f"does not use: {_listed(names)}")
-    for name, want in expected.items():
-        if name in tied:
-            continue
-        got, src = renamed[name], src_of[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise CheckpointError(f"{origin[src]}: tensor {src!r} has shape {tuple(got.shape)}, "
-                                  f"expected {tuple(want.shape)} from {file}")
-        if not got.dtype.is_floating_point:
-            raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
-                                  f"expected a floating point tensor")
-    sd = {n: t.to(expected[n].dtype) for n, t in renamed.items()}
-    model.load_state_dict(sd, strict=not tied)
-    return model.eval()
-
+    return load_checked(FlaDeltaForCausalLM(mcfg), stored, origin, _our_name, _fla_name,
+                        config_file=file, tied=mcfg.tie_embeddings, what=mcfg.model_type)

@@ -29,18 +29,27 @@ than swish, feature maps other than relu / swish / silu / sigmoid / sqrelu / ide
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import MCConfig, validate_mc
+from mcserve.config import validate_mc
 from mcserve.models.checkpoint import CheckpointError
-from mcserve.models.mamba1 import MC_KEYS, load_checked, training_length
+from mcserve.models.importing import (
+    GatedMLP,
+    ImportedConfig,
+    RebuildsUnderMC,
+    causal_conv,
+    check_positive_ints,
+    first_token_id,
+    load_checked,
+    mc_settings,
+    require_keys,
+    up,
+)
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.gla import VectorGatedMemory
 from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
@@ -56,7 +65,7 @@ _ACT = {
 
 
 @dataclass(frozen=True)
-class FlaGLAConfig:
+class FlaGLAConfig(ImportedConfig):
     """Architecture of an fla GLA LM plus the post-hoc MC settings.
 
     Engine-facing names as in ``ModelConfig``: ``n_heads``, ``head_dim`` = the value dim V of a
@@ -94,11 +103,8 @@ class FlaGLAConfig:
     model_type: str = "gla"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "key_dim",
-                     "value_dim", "intermediate_size", "conv_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        check_positive_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                   "key_dim", "value_dim", "intermediate_size", "conv_size"))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"num_heads ({self.n_heads}) must be a multiple of num_kv_heads "
                              f"({self.n_kv_heads})")
@@ -127,17 +133,6 @@ class FlaGLAConfig:
     def groups(self) -> int:
         return self.n_heads // self.n_kv_heads
 
-    @property
-    def mc(self) -> MCConfig:
-        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
-                        top_k=self.mc_top_k, share_uq=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes: Any) -> FlaGLAConfig:
-        return dataclasses.replace(self, **changes)
-
 
 class RMSNorm(nn.Module):
     """x / rms(x) · w (w optional), in float32 at least, as fla's RMSNorm."""
@@ -148,22 +143,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float() if x.element_size() < 4 else x
-        h = F.rms_norm(h, (x.shape[-1],), eps=self.eps)
+        h = F.rms_norm(up(x), (x.shape[-1],), eps=self.eps)
         if self.weight is not None:
             h = h * self.weight.to(h.dtype)
         return h.to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, d_model: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, inter, bias=False)
-        self.up_proj = nn.Linear(d_model, inter, bias=False)
-        self.down_proj = nn.Linear(inter, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ShortConv(nn.Module):
@@ -234,10 +217,7 @@ class GLAMixer(nn.Module):
             w = w[:, 0]  # (C, W)
             full = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)  # (B, W-1+T, C)
             conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-            out = full[:, :T] * w[:, 0]
-            for j in range(1, w.shape[1]):
-                out = out + full[:, j:j + T] * w[:, j]
-            qkv = F.silu(out)
+            qkv = F.silu(causal_conv(full, w, T))
         q, k, v = qkv.split(self.widths, dim=-1)
         gk = self.gk_proj(x)
         q = q.reshape(B, T, H, K)
@@ -245,7 +225,7 @@ class GLAMixer(nn.Module):
         v = v.reshape(B, T, H // G, V)
         if G > 1:  # kv head h serves heads h·G .. h·G + G − 1
             k, gk, v = (t.repeat_interleave(G, dim=2) for t in (k, gk, v))
-        gk = F.logsigmoid(gk.float() if gk.element_size() < 4 else gk) / GATE_LOGIT_NORMALIZER
+        gk = F.logsigmoid(up(gk)) / GATE_LOGIT_NORMALIZER
         if self.cfg.clamp_min is not None:
             gk = gk.clamp_min(self.cfg.clamp_min)
         if self.cfg.feature_map is not None:
@@ -307,7 +287,7 @@ class GLABlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class FlaGLAForCausalLM(RecurrentLM):
+class FlaGLAForCausalLM(RebuildsUnderMC, RecurrentLM):
     """fla's ``GLAForCausalLM`` with post-hoc Memory Caching (model_type ``gla``).
 
     State-dict names are fla's without the ``model.`` prefix (``embeddings.weight``,
@@ -332,12 +312,6 @@ class FlaGLAForCausalLM(RecurrentLM):
     def _head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(x))
 
-    def with_mc(self, **mc: Any) -> FlaGLAForCausalLM:
-        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
-        new = FlaGLAForCausalLM(self.config.replace(**mc))
-        new.load_state_dict(self.state_dict())
-        return new.to(device=self.device, dtype=self.dtype).eval()
-
 
 # ---------------------------------------------------------------------------- loading
 def gla_config_from_fla(cfg: dict, file: Path) -> FlaGLAConfig:
@@ -346,9 +320,7 @@ def gla_config_from_fla(cfg: dict, file: Path) -> FlaGLAConfig:
         val = cfg.get(key, default)
         return default if val is None and default is not None else val
 
-    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
-        if key not in cfg:
-            raise CheckpointError(f"{file}: required key {key!r} is missing")
+    require_keys(cfg, file, ("hidden_size", "num_hidden_layers", "vocab_size"))
     if cfg.get("attn"):
         raise CheckpointError(f"{file}: attn={cfg['attn']} (hybrid attention layers) is not "
                               f"supported")
@@ -363,11 +335,8 @@ def gla_config_from_fla(cfg: dict, file: Path) -> FlaGLAConfig:
     if inter is None and isinstance(D, int):
         inter = int(D * get("hidden_ratio", 4) * 2 / 3)
         inter = 256 * ((inter + 255) // 256)
-    train_len = training_length(cfg)
-    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
-    eos = cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
+    eos = first_token_id(cfg.get("eos_token_id"))
     try:
         return FlaGLAConfig(
             vocab_size=cfg["vocab_size"], d_model=D, n_layers=cfg["num_hidden_layers"],
@@ -381,8 +350,7 @@ def gla_config_from_fla(cfg: dict, file: Path) -> FlaGLAConfig:
             norm_eps=float(get("norm_eps", 1e-6)), clamp_min=cfg.get("clamp_min"),
             tie_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=train_len, bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos, pad_token_id=cfg.get("pad_token_id"),
-            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+            eos_token_id=eos, pad_token_id=cfg.get("pad_token_id"), **mc,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid GLA config: {e}") from None

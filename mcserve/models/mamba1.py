@@ -28,36 +28,41 @@ Loading (``load_mamba1``, called by ``mcserve.models.registry``): transformers' 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import MCConfig, validate_mc
+from mcserve.config import validate_mc
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.checkpoint import CheckpointError
-from mcserve.models.mamba2 import RMSNorm, _up
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.importing import (
+    ImportedConfig,
+    causal_conv,
+    check_mamba_ssm_blocks,
+    check_positive_ints,
+    config_getter,
+    first_token_id,
+    load_checked,
+    mc_settings,
+    padded_vocab,
+    require_keys,
+    up,
+)
+from mcserve.models.mamba2 import ConvSSMMixer, MambaBlock, MambaLM
+from mcserve.models.mc import MCMemory
 from mcserve.models.memory.gla import VectorGatedMemory
-from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
+from mcserve.models.native import LayerState
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
-#: config.json keys that record the training context length, in order of preference (the
-#: registry's list; the registry imports this module, so it cannot be imported from there)
-TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
-                        "training_seq_len")
-MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
 
 
 @dataclass(frozen=True)
-class Mamba1Config:
+class Mamba1Config(ImportedConfig):
     """Architecture of a Mamba (v1) LM plus the post-hoc MC settings applied to it.
 
     Engine-facing names as in ``ModelConfig``: ``n_heads`` = d_inner (one head per channel),
@@ -91,11 +96,8 @@ class Mamba1Config:
     model_type: str = "mamba"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "d_inner", "state_size", "dt_rank",
-                     "conv_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        check_positive_ints(self, ("vocab_size", "d_model", "n_layers", "d_inner", "state_size",
+                                   "dt_rank", "conv_size"))
         if self.memory != "gla":
             raise ValueError(f"Mamba runs on the 'gla' memory family, got {self.memory!r}")
         if self.model_type != "mamba":
@@ -112,19 +114,9 @@ class Mamba1Config:
     def head_dim(self) -> int:
         return 1
 
-    @property
-    def mc(self) -> MCConfig:
-        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
-                        top_k=self.mc_top_k, share_uq=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes: Any) -> Mamba1Config:
-        return dataclasses.replace(self, **changes)
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(ConvSSMMixer):
     """in_proj → (x, z); causal conv + SiLU on x; x_proj → (dt, B, C); the selective SSM as MC
     ``gla`` memory; D skip; y·silu(z); out_proj. Parameter names match transformers'
     ``MambaMixer``."""
@@ -146,9 +138,6 @@ class Mamba1Mixer(nn.Module):
         self.memory = MCMemory(self.family, cfg.mc)
 
     # ------------------------------------------------------------------ engine interface
-    def init_memory(self) -> None:
-        return None  # the gla family starts from zero
-
     def init_state(self, batch: int, dtype: torch.dtype, device) -> LayerState:
         mc = self.memory.init_state(batch, self.H, self.N, 1, dtype=dtype, device=device)
         conv = torch.zeros(batch, self.cfg.conv_size - 1, self.cfg.d_inner, dtype=dtype,
@@ -170,16 +159,13 @@ class Mamba1Mixer(nn.Module):
         else:
             full = torch.cat([conv_tail.to(xs.dtype), xs], dim=1)  # (B, w-1+T, d_inner)
             conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-            # depthwise causal conv as w shifted multiply-adds
-            out = full[:, :T] * w[:, 0]
-            for j in range(1, w.shape[1]):
-                out = out + full[:, j:j + T] * w[:, j]
+            out = causal_conv(full, w, T)
             if self.conv1d.bias is not None:
                 out = out + self.conv1d.bias
             xs = F.silu(out)
         dt, Bm, Cm = self.x_proj(xs).split([R, N, N], dim=-1)
-        delta = F.softplus(_up(F.linear(dt, self.dt_proj.weight)) + _up(self.dt_proj.bias))
-        A = -torch.exp(_up(self.A_log))  # (H, N)
+        delta = F.softplus(up(F.linear(dt, self.dt_proj.weight)) + up(self.dt_proj.bias))
+        A = -torch.exp(up(self.A_log))  # (H, N)
         k = Bm[:, :, None, :].expand(B, T, H, N)  # one key for every channel: a view
         q = Cm[:, :, None, :].expand(B, T, H, N)
         gates = {"log_a": (delta[..., None] * A).to(xs.dtype), "b": delta.to(xs.dtype)}
@@ -192,92 +178,25 @@ class Mamba1Mixer(nn.Module):
         y = y * F.silu(z)
         return self.out_proj(y.to(self.out_proj.weight.dtype))
 
-    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        record = state.mc.record
-        z, xs, q, k, gates, conv, *conv_input = self._project(
-            x, state.conv, keep_conv_input=record is not None)
-        y, mc = self.memory.forward(state.mc, q, k, xs[..., None], q, gates)
-        if record is not None:
-            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
-        return self._output(z, xs, y), LayerState(mc, conv)
-
-    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
-        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
-        if not pl.inplace:
-            pl.conv = pl.conv.clone()
-        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv, inplace=True)
-        return self._output(z, xs, self.memory.decode_paged(pl, q, k, xs[..., None], q, gates))
+    def _values(self, xs: Tensor) -> Tensor:
+        return xs[..., None]  # V = 1 per channel
 
 
-class Mamba1Block(nn.Module):
-    def __init__(self, cfg: Mamba1Config, layer_idx: int):
-        super().__init__()
-        self.residual_in_fp32 = cfg.residual_in_fp32
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = Mamba1Mixer(cfg, layer_idx)
-
-    def _residual(self, x: Tensor, h: Tensor) -> Tensor:
-        if self.residual_in_fp32:
-            dt = torch.promote_types(x.dtype, torch.float32)
-            return x.to(dt) + h.to(dt)
-        return x + h.to(x.dtype)
-
-    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        h, state = self.mixer(self.norm(x.to(self.norm.weight.dtype)), state)
-        return self._residual(x, h), state
-
-    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
-        return self._residual(x, self.mixer.forward_paged(
-            self.norm(x.to(self.norm.weight.dtype)), pl))
+class Mamba1Block(MambaBlock):
+    mixer_class = Mamba1Mixer
 
 
-class Mamba1MCForCausalLM(RecurrentLM):
-    """Mamba (v1) language model with post-hoc Memory Caching (model_type ``mamba``).
+class Mamba1MCForCausalLM(MambaLM):
+    """Mamba (v1) language model with post-hoc Memory Caching (model_type ``mamba``); the
+    state-dict names are those of :class:`~mcserve.models.mamba2.MambaLM` (transformers')."""
 
-    State-dict names: ``embed.weight``, ``layers.{i}.norm.weight``, ``layers.{i}.mixer.*``
-    (as in transformers), ``norm_f.weight``, ``lm_head.weight``. Use
-    ``mcserve.models.registry.load_model`` to read a transformers or ``mamba_ssm`` directory.
-    """
-
-    def __init__(self, config: Mamba1Config):
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Mamba1Block(config, i) for i in range(config.n_layers))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    def _head(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.norm_f(x.to(self.dtype)))
-
-    def with_mc(self, **mc: Any) -> Mamba1MCForCausalLM:
-        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
-        new = Mamba1MCForCausalLM(self.config.replace(**mc))
-        new.load_state_dict(self.state_dict())
-        return new.to(device=self.device, dtype=self.dtype).eval()
+    block_class = Mamba1Block
 
 
 # ---------------------------------------------------------------------------- loading
-def training_length(cfg: dict) -> int | None:
-    """The training context length a config records, if any."""
-    for key in TRAINING_LENGTH_KEYS:
-        val = cfg.get(key)
-        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
-            return val
-    return None
-
-
 def mamba1_config_from_hf(cfg: dict, file: Path) -> Mamba1Config:
     """A ``Mamba1Config`` from a transformers ``MambaConfig`` dict."""
-    def get(key, default=None, required=False):
-        if key not in cfg:
-            if required:
-                raise CheckpointError(f"{file}: required key {key!r} is missing")
-            return default
-        return cfg[key]
-
+    get = config_getter(cfg, file)
     d_model = get("hidden_size", required=True)
     expand = get("expand", 2)
     d_inner = get("intermediate_size", None)
@@ -289,11 +208,8 @@ def mamba1_config_from_hf(cfg: dict, file: Path) -> Mamba1Config:
     act = get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
-    train_len = training_length(cfg)
-    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
-    eos = get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
+    eos = first_token_id(get("eos_token_id"))
     try:
         return Mamba1Config(
             vocab_size=get("vocab_size", required=True), d_model=d_model,
@@ -304,8 +220,7 @@ def mamba1_config_from_hf(cfg: dict, file: Path) -> Mamba1Config:
             residual_in_fp32=bool(get("residual_in_fp32", True)),
             tie_embeddings=bool(get("tie_word_embeddings", True)),
             max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
-            eos_token_id=eos, pad_token_id=get("pad_token_id"),
-            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+            eos_token_id=eos, pad_token_id=get("pad_token_id"), **mc,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid Mamba config: {e}") from None
@@ -313,19 +228,10 @@ def mamba1_config_from_hf(cfg: dict, file: Path) -> Mamba1Config:
 
 def mamba1_config_from_ssm(cfg: dict, file: Path) -> Mamba1Config:
     """A ``Mamba1Config`` from a ``mamba_ssm`` ``MambaConfig`` dict (``layer: Mamba1``)."""
-    for key in ("d_model", "n_layer", "vocab_size"):
-        if key not in cfg:
-            raise CheckpointError(f"{file}: required key {key!r} is missing")
+    require_keys(cfg, file, ("d_model", "n_layer", "vocab_size"))
     ssm = dict(cfg.get("ssm_cfg") or {})
     d_model = cfg["d_model"]
-    if cfg.get("d_intermediate", 0):
-        raise CheckpointError(f"{file}: d_intermediate={cfg['d_intermediate']} (MLP blocks after "
-                              f"the mixer) is not supported")
-    if cfg.get("attn_layer_idx"):
-        raise CheckpointError(f"{file}: attn_layer_idx={cfg['attn_layer_idx']} (hybrid attention "
-                              f"layers) is not supported")
-    if not cfg.get("rms_norm", True):
-        raise CheckpointError(f"{file}: rms_norm=false (LayerNorm blocks) is not supported")
+    check_mamba_ssm_blocks(cfg, file)
     known = {"layer", "d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init",
              "dt_scale", "dt_init_floor", "conv_bias", "bias", "use_fast_path"}
     unknown = sorted(set(ssm) - known)
@@ -334,11 +240,8 @@ def mamba1_config_from_ssm(cfg: dict, file: Path) -> Mamba1Config:
     rank = ssm.get("dt_rank", "auto")
     if rank == "auto" and isinstance(d_model, int):
         rank = math.ceil(d_model / 16)
-    vocab = cfg["vocab_size"]
-    mult = cfg.get("pad_vocab_size_multiple", 8) or 1
-    padded = vocab + (-vocab) % mult
-    train_len = training_length(cfg)
-    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
+    vocab, padded = padded_vocab(cfg)
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
     try:
         return Mamba1Config(
             vocab_size=padded, d_model=d_model, n_layers=cfg["n_layer"],
@@ -349,71 +252,10 @@ def mamba1_config_from_ssm(cfg: dict, file: Path) -> Mamba1Config:
             residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
             tie_embeddings=bool(cfg.get("tie_embeddings", True)),
             unpadded_vocab_size=vocab if padded != vocab else None,
-            max_position_embeddings=train_len,
-            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+            max_position_embeddings=train_len, **mc,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid mamba_ssm Mamba config: {e}") from None
-
-
-def _listed(names, n: int = 8) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(repr(x) for x in names[:n]) + more
-
-
-def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, Path],
-                 rename: Callable[[str], str], source_name: Callable[[str], str], *,
-                 config_file: Path, tied: bool, what: str,
-                 embed_name: str = "embed.weight") -> nn.Module:
-    """Load ``stored`` (source names) into ``model`` after renaming, or raise a
-    ``CheckpointError`` naming the file and the source tensor: two tensors with one name, a
-    missing tensor, an unknown one, a wrong shape or a non-float dtype; a tied head stored with
-    values other than the embedding's (``embed_name``). ``source_name`` maps our names back
-    for messages."""
-    renamed: dict[str, Tensor] = {}
-    src_of: dict[str, str] = {}
-    for name, t in stored.items():
-        ours = rename(name)
-        if ours in renamed:
-            raise CheckpointError(f"{origin[name]}: tensors {src_of[ours]!r} and {name!r} both "
-                                  f"map to {ours!r}")
-        renamed[ours] = t
-        src_of[ours] = name
-    expected = model.state_dict()
-    weights_file = next(iter(origin.values())) if origin else config_file.parent
-    if tied and "lm_head.weight" in renamed and embed_name in renamed:
-        if not torch.equal(renamed["lm_head.weight"], renamed[embed_name]):
-            raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: "
-                                  f"{src_of['lm_head.weight']!r} and the embedding are tied in "
-                                  f"{config_file} but hold different values")
-        renamed.pop("lm_head.weight")
-        src_of.pop("lm_head.weight")
-    skip = {"lm_head.weight"} if tied else set()
-    missing = [n for n in expected if n not in renamed and n not in skip]
-    if missing:
-        srcs = [source_name(n) for n in missing]
-        more = f" (and {_listed(srcs[1:])})" if len(srcs) > 1 else ""
-        raise CheckpointError(f"{weights_file} is missing tensor {srcs[0]!r}{more} required by "
-                              f"{config_file}")
-    unexpected = [n for n in renamed if n not in expected]
-    if unexpected:
-        names = [src_of[n] for n in unexpected]
-        raise CheckpointError(f"{origin[names[0]]} has tensors this {what} model does not use: "
-                              f"{_listed(names)}")
-    for name, want in expected.items():
-        if name in skip:
-            continue
-        got, src = renamed[name], src_of[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise CheckpointError(f"{origin[src]}: tensor {src!r} has shape {tuple(got.shape)}, "
-                                  f"expected {tuple(want.shape)} from {config_file}")
-        if not got.dtype.is_floating_point:
-            raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
-                                  f"expected a floating point tensor")
-    model.load_state_dict({n: t.to(expected[n].dtype) for n, t in renamed.items()},
-                          strict=not tied)
-    return model.eval()
 
 
 def _mamba_name(src: str) -> str:

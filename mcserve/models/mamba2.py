@@ -40,8 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import MCConfig, validate_mc
+from mcserve.config import validate_mc
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.importing import (
+    ImportedConfig,
+    RebuildsUnderMC,
+    causal_conv,
+    check_positive_ints,
+)
+from mcserve.models.importing import up as _up
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
@@ -52,7 +59,7 @@ DEFAULT_SEGMENT_LEN = 2048
 
 
 @dataclass(frozen=True)
-class Mamba2Config:
+class Mamba2Config(ImportedConfig):
     """Architecture of a Mamba2 LM plus the post-hoc MC settings applied to it.
 
     Field names follow mcserve's ``ModelConfig`` where the engine reads them (``vocab_size``,
@@ -95,11 +102,8 @@ class Mamba2Config:
     model_type: str = "mamba2"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "state_size",
-                     "n_groups", "conv_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        check_positive_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim",
+                                   "state_size", "n_groups", "conv_size"))
         if self.n_heads % self.n_groups:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_groups "
                              f"({self.n_groups})")
@@ -126,11 +130,6 @@ class Mamba2Config:
     def conv_dim(self) -> int:
         return self.d_inner + 2 * self.n_groups * self.state_size
 
-    @property
-    def mc(self) -> MCConfig:
-        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
-                        top_k=self.mc_top_k, share_uq=True)
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["time_step_limit"] = list(self.time_step_limit)
@@ -139,18 +138,10 @@ class Mamba2Config:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Mamba2Config:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
-        data = dict(data)
+    def _from_dict_values(cls, data: dict[str, Any]) -> dict[str, Any]:
         if "time_step_limit" in data:
             data["time_step_limit"] = tuple(float(x) for x in data["time_step_limit"])
-        return cls(**data)
-
-    def replace(self, **changes: Any) -> Mamba2Config:
-        return dataclasses.replace(self, **changes)
+        return data
 
 
 def normalize_delta_scale(value: Any, n_layers: int) -> tuple[float, ...] | None:
@@ -208,11 +199,6 @@ def parse_delta_scale(text: str) -> float | tuple[float, ...]:
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
-def _up(x: Tensor) -> Tensor:
-    """Half precision → float32 (as transformers computes norms and Δ); float64 stays."""
-    return x.float() if x.element_size() < 4 else x
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) · w, computed in float32 at least (as transformers' Mamba2RMSNorm)."""
 
@@ -256,7 +242,37 @@ class GatedRMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class ConvSSMMixer(nn.Module):
+    """What Mamba2's and Mamba (v1)'s mixers share: the engine-facing ``forward`` (a sequence)
+    and ``forward_paged`` (one token per row) around a subclass's ``_project`` (in_proj, the
+    short conv, the SSM's inputs; returns z, xs, q, k, gates, the new conv tail) and
+    ``_output`` (D skip, gate, out_proj). ``_values`` turns xs into the memory's values."""
+
+    def init_memory(self) -> None:
+        return None  # the memory families start from zero
+
+    def _values(self, xs: Tensor) -> Tensor:
+        return xs
+
+    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
+        record = state.mc.record
+        z, xs, q, k, gates, conv, *conv_input = self._project(
+            x, state.conv, keep_conv_input=record is not None)
+        y, mc = self.memory.forward(state.mc, q, k, self._values(xs), q, gates)
+        if record is not None:
+            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
+        return self._output(z, xs, y), LayerState(mc, conv)
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
+        if not pl.inplace:
+            pl.conv = pl.conv.clone()
+        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv, inplace=True)
+        return self._output(z, xs, self.memory.decode_paged(pl, q, k, self._values(xs), q,
+                                                            gates))
+
+
+class Mamba2Mixer(ConvSSMMixer):
     """in_proj → (z, xBC, dt); causal conv + SiLU on xBC; SSD as MC linear memory; D skip;
     gated RMSNorm; out_proj. Parameter names match transformers' ``Mamba2Mixer``."""
 
@@ -280,9 +296,6 @@ class Mamba2Mixer(nn.Module):
         self.memory = MCMemory(self.family, cfg.mc)
 
     # ------------------------------------------------------------------ engine interface
-    def init_memory(self) -> None:
-        return None  # the linear family starts from zero
-
     def init_state(self, batch: int, dtype: torch.dtype, device) -> LayerState:
         mc = self.memory.init_state(batch, self.H, self.N, self.P, dtype=dtype, device=device)
         conv = torch.zeros(batch, self.cfg.conv_size - 1, self.cfg.conv_dim, dtype=dtype,
@@ -312,9 +325,7 @@ class Mamba2Mixer(nn.Module):
             if T == 1:  # one product and one sum over the window
                 out = (full * w.t()).sum(1, keepdim=True)
             else:
-                out = full[:, :T] * w[:, 0]
-                for j in range(1, w.shape[1]):
-                    out = out + full[:, j:j + T] * w[:, j]
+                out = causal_conv(full, w, T)
             if self.conv1d.bias is not None:
                 out = out + self.conv1d.bias
             xbc = F.silu(out)
@@ -347,29 +358,18 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(self.out_proj.weight.dtype))
 
-    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        record = state.mc.record
-        z, xs, q, k, gates, conv, *conv_input = self._project(
-            x, state.conv, keep_conv_input=record is not None)
-        y, mc = self.memory.forward(state.mc, q, k, xs, q, gates)
-        if record is not None:
-            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
-        return self._output(z, xs, y), LayerState(mc, conv)
 
-    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
-        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
-        if not pl.inplace:
-            pl.conv = pl.conv.clone()
-        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv, inplace=True)
-        return self._output(z, xs, self.memory.decode_paged(pl, q, k, xs, q, gates))
+class MambaBlock(nn.Module):
+    """Pre-norm residual block of Mamba2 and Mamba (v1): x + mixer(RMSNorm(x)), summed in
+    float32 at least with ``residual_in_fp32``. The mixer is ``mixer_class(cfg, layer_idx)``."""
 
+    mixer_class: type[ConvSSMMixer]
 
-class Mamba2Block(nn.Module):
-    def __init__(self, cfg: Mamba2Config, layer_idx: int):
+    def __init__(self, cfg: Any, layer_idx: int):
         super().__init__()
         self.residual_in_fp32 = cfg.residual_in_fp32
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = Mamba2Mixer(cfg, layer_idx)
+        self.mixer = self.mixer_class(cfg, layer_idx)
 
     def _residual(self, x: Tensor, h: Tensor) -> Tensor:
         if self.residual_in_fp32:
@@ -382,11 +382,18 @@ class Mamba2Block(nn.Module):
         return self._residual(x, h), state
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
+        return self._residual(x, self.mixer.forward_paged(
+            self.norm(x.to(self.norm.weight.dtype)), pl))
+
+
+class Mamba2Block(MambaBlock):
+    mixer_class = Mamba2Mixer
+
+    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         fused = self._fused_decode(x, pl)
         if fused is not None:
             return fused
-        return self._residual(x, self.mixer.forward_paged(
-            self.norm(x.to(self.norm.weight.dtype)), pl))
+        return super().forward_paged(x, pl)
 
     def _fused_decode(self, x: Tensor, pl: PagedLayer) -> Tensor | None:
         """The whole block for one token per row as one C++ call (``mamba2_block_decode_``)
@@ -417,19 +424,23 @@ class Mamba2Block(nn.Module):
         return y.view(x.shape)
 
 
-class Mamba2MCForCausalLM(RecurrentLM):
-    """Mamba2 language model with post-hoc Memory Caching (model_type ``mamba2``).
+class MambaLM(RebuildsUnderMC, RecurrentLM):
+    """The LM around ``block_class`` blocks shared by Mamba2 and Mamba (v1): embedding, the
+    blocks, a final RMSNorm and the LM head (tied to the embedding with ``tie_embeddings``).
 
     State-dict names: ``embed.weight``, ``layers.{i}.norm.weight``, ``layers.{i}.mixer.*``
     (as in transformers), ``norm_f.weight``, ``lm_head.weight``. Use
     ``mcserve.models.registry.load_model`` to read a transformers or ``mamba_ssm`` directory.
     """
 
-    def __init__(self, config: Mamba2Config):
+    block_class: type[MambaBlock]
+
+    def __init__(self, config: Any):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Mamba2Block(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(self.block_class(config, i)
+                                    for i in range(config.n_layers))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -438,11 +449,12 @@ class Mamba2MCForCausalLM(RecurrentLM):
     def _head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm_f(x.to(self.dtype)))
 
-    def with_mc(self, **mc: Any) -> Mamba2MCForCausalLM:
-        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
-        new = Mamba2MCForCausalLM(self.config.replace(**mc))
-        new.load_state_dict(self.state_dict())
-        return new.to(device=self.device, dtype=self.dtype).eval()
+
+class Mamba2MCForCausalLM(MambaLM):
+    """Mamba2 language model with post-hoc Memory Caching (model_type ``mamba2``); see
+    :class:`MambaLM` for the state-dict names."""
+
+    block_class = Mamba2Block
 
     def with_delta_scale(self, delta_scale: Any) -> Mamba2MCForCausalLM:
         """The same weights with Δ' = s_l·Δ (``delta_scale``: see ``normalize_delta_scale``)."""

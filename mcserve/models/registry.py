@@ -39,6 +39,16 @@ from torch import Tensor, nn
 
 from mcserve.config import MODES, VARIANTS, MCConfig, default_mode
 from mcserve.models.checkpoint import CheckpointError
+from mcserve.models.importing import (
+    MC_KEYS,
+    check_mamba_ssm_blocks,
+    config_getter,
+    first_token_id,
+    load_checked,
+    mc_settings,
+    padded_vocab,
+    require_keys,
+)
 
 __all__ = [
     "CheckpointError", "Importer", "apply_mc", "detect_format", "load_model", "read_config",
@@ -47,10 +57,6 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
-_MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
-#: config.json keys that record the training context length, in order of preference
-TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
-                        "training_seq_len")
 
 
 @dataclass(frozen=True)
@@ -150,14 +156,14 @@ def resolve_mc(current: dict[str, Any], overrides: dict[str, Any] | None,
                default_segment_len: int | None = None) -> dict[str, Any]:
     """The MC fields after ``overrides`` (see the module docstring for the defaults)."""
     ov = {k: v for k, v in (overrides or {}).items() if v is not None}
-    bad = sorted(set(ov) - set(_MC_KEYS))
+    bad = sorted(set(ov) - set(MC_KEYS))
     if bad:
-        raise ValueError(f"unknown MC override(s) {bad}; known: {list(_MC_KEYS)}")
+        raise ValueError(f"unknown MC override(s) {bad}; known: {list(MC_KEYS)}")
     if "mc_variant" in ov and ov["mc_variant"] not in VARIANTS:
         raise ValueError(f"mc_variant={ov['mc_variant']!r} is not one of {VARIANTS}")
     if "mc_mode" in ov and ov["mc_mode"] not in MODES:
         raise ValueError(f"mc_mode={ov['mc_mode']!r} is not one of {MODES}")
-    out = {k: current[k] for k in _MC_KEYS}
+    out = {k: current[k] for k in MC_KEYS}
     out.update(ov)
     if "mc_variant" in ov and "mc_mode" not in ov:
         out["mc_mode"] = default_mode(ov["mc_variant"]) or out["mc_mode"]
@@ -174,7 +180,7 @@ def apply_mc(model: nn.Module, overrides: dict[str, Any] | None) -> nn.Module:
     variants. Returns ``model`` itself when nothing changes.
     """
     cfg = model.config
-    current = {k: getattr(cfg, k) for k in _MC_KEYS}
+    current = {k: getattr(cfg, k) for k in MC_KEYS}
     default_len = getattr(cfg, "max_position_embeddings", None)
     new = resolve_mc(current, overrides, default_len)
     if new == current:
@@ -313,32 +319,12 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _listed(names, n: int = 8) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(repr(x) for x in names[:n]) + more
-
-
 # ---------------------------------------------------------------------------- Mamba2
-def _training_length(cfg: dict) -> int | None:
-    for key in TRAINING_LENGTH_KEYS:
-        val = cfg.get(key)
-        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
-            return val
-    return None
-
-
 def mamba2_config_from_hf(cfg: dict, file: Path):
     """A ``Mamba2Config`` from a transformers ``Mamba2Config`` dict."""
     from mcserve.models.mamba2 import DEFAULT_SEGMENT_LEN, Mamba2Config
 
-    def get(key, default=None, required=False):
-        if key not in cfg:
-            if required:
-                raise CheckpointError(f"{file}: required key {key!r} is missing")
-            return default
-        return cfg[key]
-
+    get = config_getter(cfg, file)
     d_model = get("hidden_size", required=True)
     n_heads = get("num_heads", 128)
     head_dim = get("head_dim", 64)
@@ -349,12 +335,9 @@ def mamba2_config_from_hf(cfg: dict, file: Path):
     act = get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
-    train_len = _training_length(cfg)
-    mc = {k: cfg[k] for k in _MC_KEYS if k in cfg}
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
     limit = get("time_step_limit", (0.0, math.inf)) or (0.0, math.inf)
-    eos = get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_token_id(get("eos_token_id"))
     try:
         return Mamba2Config(
             vocab_size=get("vocab_size", required=True), d_model=d_model,
@@ -367,8 +350,7 @@ def mamba2_config_from_hf(cfg: dict, file: Path):
             time_step_limit=tuple(limit), residual_in_fp32=bool(get("residual_in_fp32", True)),
             tie_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
-            eos_token_id=eos, pad_token_id=get("pad_token_id"),
-            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+            eos_token_id=eos, pad_token_id=get("pad_token_id"), **mc,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid Mamba2 config: {e}") from None
@@ -380,14 +362,7 @@ def mamba2_config_from_ssm(cfg: dict, file: Path):
 
     ssm = dict(cfg.get("ssm_cfg") or {})
     d_model = cfg["d_model"]
-    if cfg.get("d_intermediate", 0):
-        raise CheckpointError(f"{file}: d_intermediate={cfg['d_intermediate']} (MLP blocks after "
-                              f"the mixer) is not supported")
-    if cfg.get("attn_layer_idx"):
-        raise CheckpointError(f"{file}: attn_layer_idx={cfg['attn_layer_idx']} (hybrid attention "
-                              f"layers) is not supported")
-    if not cfg.get("rms_norm", True):
-        raise CheckpointError(f"{file}: rms_norm=false (LayerNorm blocks) is not supported")
+    check_mamba_ssm_blocks(cfg, file)
     expand = ssm.get("expand", 2)
     d_inner = int(expand * d_model)
     d_ssm = ssm.get("d_ssm") or d_inner
@@ -397,12 +372,9 @@ def mamba2_config_from_ssm(cfg: dict, file: Path):
     headdim = ssm.get("headdim", 64)
     if d_ssm % headdim:
         raise CheckpointError(f"{file}: d_ssm={d_ssm} is not a multiple of headdim={headdim}")
-    vocab = cfg["vocab_size"]
-    mult = cfg.get("pad_vocab_size_multiple", 8) or 1
-    padded = vocab + (-vocab) % mult
+    vocab, padded = padded_vocab(cfg)
     limit = ssm.get("dt_limit", (0.0, math.inf))
-    train_len = _training_length(cfg)
-    mc = {k: cfg[k] for k in _MC_KEYS if k in cfg}
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
     try:
         return Mamba2Config(
             vocab_size=padded, d_model=d_model, n_layers=cfg["n_layer"],
@@ -416,8 +388,7 @@ def mamba2_config_from_ssm(cfg: dict, file: Path):
             residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
             tie_embeddings=bool(cfg.get("tie_embeddings", True)),
             unpadded_vocab_size=vocab if padded != vocab else None,
-            max_position_embeddings=train_len,
-            segment_len=mc.pop("segment_len", train_len or DEFAULT_SEGMENT_LEN), **mc,
+            max_position_embeddings=train_len, **mc,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid mamba_ssm Mamba2 config: {e}") from None
@@ -438,58 +409,14 @@ def _load_mamba2(path: Path, cfg: dict, layout: str) -> nn.Module:
 
     file = path / "config.json"
     if layout == "mamba_ssm":
-        for key in ("d_model", "n_layer", "vocab_size"):
-            if key not in cfg:
-                raise CheckpointError(f"{file}: required key {key!r} is missing")
+        require_keys(cfg, file, ("d_model", "n_layer", "vocab_size"))
         mcfg = mamba2_config_from_ssm(cfg, file)
     else:
         mcfg = mamba2_config_from_hf(cfg, file)
     stored, origin = read_weights(path)
-    renamed: dict[str, Tensor] = {}
-    src_of: dict[str, str] = {}
-    for name, t in stored.items():
-        ours = _mamba2_name(name)
-        if ours in renamed:
-            raise CheckpointError(f"{origin[name]}: tensors {src_of[ours]!r} and {name!r} both "
-                                  f"map to {ours!r}")
-        renamed[ours] = t
-        src_of[ours] = name
-    model = Mamba2MCForCausalLM(mcfg)
-    expected = model.state_dict()
-    weights_file = next(iter(origin.values())) if origin else path
-    if mcfg.tie_embeddings and "lm_head.weight" in renamed and "embed.weight" in renamed:
-        if not torch.equal(renamed["lm_head.weight"], renamed["embed.weight"]):
-            raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: 'lm_head.weight' and the "
-                                  f"embedding are tied in {file} but hold different values")
-        renamed.pop("lm_head.weight")
-        src_of.pop("lm_head.weight")
-    tied = {"lm_head.weight"} if mcfg.tie_embeddings else set()
-    missing = [n for n in expected if n not in renamed and n not in tied]
-    if missing:
-        srcs = [_hf_name(n, layout) for n in missing]
-        more = f" (and {_listed(srcs[1:])})" if len(srcs) > 1 else ""
-        raise CheckpointError(f"{weights_file} is missing tensor {srcs[0]!r}{more} required by "
-                              f"{file}")
-    unexpected = [n for n in renamed if n not in expected]
-    if unexpected:
-        names = [src_of[n] for n in unexpected]
-        raise CheckpointError(f"{origin[names[0]]} has tensors this Mamba2 model does not use: "
-                              f"{_listed(names)}")
-    for name, want in expected.items():
-        if name in tied:
-            continue
-        got = renamed[name]
-        if tuple(got.shape) != tuple(want.shape):
-            src = src_of[name]
-            raise CheckpointError(f"{origin[src]}: tensor {src!r} has shape {tuple(got.shape)}, "
-                                  f"expected {tuple(want.shape)} from {file}")
-        if not got.dtype.is_floating_point:
-            src = src_of[name]
-            raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
-                                  f"expected a floating point tensor")
-    sd = {n: t.to(expected[n].dtype) for n, t in renamed.items()}
-    model.load_state_dict(sd, strict=not mcfg.tie_embeddings)
-    return model.eval()
+    return load_checked(Mamba2MCForCausalLM(mcfg), stored, origin, _mamba2_name,
+                        lambda ours: _hf_name(ours, layout), config_file=file,
+                        tied=mcfg.tie_embeddings, what="Mamba2")
 
 
 def _hf_name(ours: str, layout: str) -> str:

@@ -26,7 +26,6 @@ averaged per segment are the written keys k. ``mc_variant="none"`` is the model 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import MCConfig, validate_mc
+from mcserve.config import validate_mc
+from mcserve.models.importing import ImportedConfig, RebuildsUnderMC, check_positive_ints
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.rwkv7 import RWKV7Memory
 from mcserve.models.native import LayerState, ModelState, RecurrentLM
@@ -47,7 +47,7 @@ DECAY_SCALE = 0.606531
 
 
 @dataclass(frozen=True)
-class RWKV7Config:
+class RWKV7Config(ImportedConfig):
     """Architecture of an RWKV-7 LM plus the post-hoc MC settings applied to it.
 
     Field names follow mcserve's ``ModelConfig`` where the engine reads them (``vocab_size``,
@@ -83,11 +83,9 @@ class RWKV7Config:
     model_type: str = "rwkv7"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_decay_lora",
-                     "d_aaa_lora", "d_mv_lora", "d_gate_lora", "d_ffn"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        check_positive_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim",
+                                   "d_decay_lora", "d_aaa_lora", "d_mv_lora", "d_gate_lora",
+                                   "d_ffn"))
         if self.n_heads * self.head_dim != self.d_model:
             raise ValueError(f"n_heads * head_dim ({self.n_heads} * {self.head_dim}) must equal "
                              f"d_model ({self.d_model})")
@@ -98,25 +96,6 @@ class RWKV7Config:
         if not self.share_uq:
             raise ValueError("RWKV-7 has no gate connectors: share_uq must be True (u = r)")
         validate_mc(self.mc_variant, self.mc_mode, self.segment_len, self.mc_top_k)
-
-    @property
-    def mc(self) -> MCConfig:
-        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
-                        top_k=self.mc_top_k, share_uq=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RWKV7Config:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
-        return cls(**data)
-
-    def replace(self, **changes: Any) -> RWKV7Config:
-        return dataclasses.replace(self, **changes)
 
 
 def _shifted(x: Tensor, prev: Tensor) -> Tensor:
@@ -264,7 +243,7 @@ class RWKV7Block(nn.Module):
         return x, v_first
 
 
-class RWKV7ForCausalLM(RecurrentLM):
+class RWKV7ForCausalLM(RebuildsUnderMC, RecurrentLM):
     """RWKV-7 language model with post-hoc Memory Caching (model_type ``rwkv7``).
 
     State-dict names: ``embed.weight``, ``ln0.*``, ``layers.{i}.ln1/ln2.*``,
@@ -283,12 +262,6 @@ class RWKV7ForCausalLM(RecurrentLM):
 
     def _head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm_f(x))
-
-    def with_mc(self, **mc: Any) -> RWKV7ForCausalLM:
-        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
-        new = RWKV7ForCausalLM(self.config.replace(**mc))
-        new.load_state_dict(self.state_dict())
-        return new.to(device=self.device, dtype=self.dtype).eval()
 
     def forward(self, input_ids: Tensor, state: ModelState | None = None, *,
                 last_only: bool = False) -> tuple[Tensor, ModelState]:

@@ -1,0 +1,239 @@
+"""What the importers of pretrained formats share: the registry (``registry.py``) and the model
+modules it loads (``mamba1``, ``mamba2``, ``fla_delta``, ``fla_gla``, ``rwkv7``) import these
+from here. This module imports none of them, so no import cycle runs through it.
+
+* config.json reading: the MC keys a config may carry, the training length it records, small
+  checks shared by the converters (required keys, positive integer fields, ``mamba_ssm``
+  blocks, vocabulary padding);
+* :class:`ImportedConfig` and :class:`RebuildsUnderMC`: the config and model methods every
+  imported family has (``mc``, ``to_dict``, ``replace``, ``from_dict``; ``with_mc``);
+* :func:`load_checked`: a renamed state dict loaded with every mismatch a ``CheckpointError``;
+* small layers several families use as they are (``up``, ``causal_conv``, ``GatedMLP``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mcserve.config import MCConfig
+from mcserve.models.checkpoint import CheckpointError
+
+#: the MC settings a config.json may carry
+MC_KEYS = ("mc_variant", "mc_mode", "segment_len", "mc_top_k")
+#: config.json keys that record the training context length, in order of preference
+TRAINING_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "seq_len", "n_ctx",
+                        "training_seq_len")
+
+_C = TypeVar("_C", bound="ImportedConfig")
+_M = TypeVar("_M", bound="RebuildsUnderMC")
+
+
+# ---------------------------------------------------------------------------- config.json
+def training_length(cfg: dict) -> int | None:
+    """The training context length a config records, if any."""
+    for key in TRAINING_LENGTH_KEYS:
+        val = cfg.get(key)
+        if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+            return val
+    return None
+
+
+def mc_settings(cfg: dict, default_segment_len: int) -> tuple[int | None, dict[str, Any]]:
+    """``(training length, MC fields)`` of a config: the MC keys it carries, with
+    ``segment_len`` defaulting to the training length, else ``default_segment_len``."""
+    train_len = training_length(cfg)
+    mc = {k: cfg[k] for k in MC_KEYS if k in cfg}
+    mc.setdefault("segment_len", train_len or default_segment_len)
+    return train_len, mc
+
+
+def first_token_id(value: Any) -> Any:
+    """A token id a config may store as a list (``eos_token_id: [0, 2]``): its first entry."""
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+def require_keys(cfg: dict, file: Path, keys: Iterable[str]) -> None:
+    for key in keys:
+        if key not in cfg:
+            raise CheckpointError(f"{file}: required key {key!r} is missing")
+
+
+def config_getter(cfg: dict, file: Path) -> Callable[..., Any]:
+    """``get(key, default=None, required=False)`` over ``cfg``: a missing required key is a
+    ``CheckpointError`` naming ``file``."""
+    def get(key, default=None, required=False):
+        if key not in cfg:
+            if required:
+                raise CheckpointError(f"{file}: required key {key!r} is missing")
+            return default
+        return cfg[key]
+
+    return get
+
+
+def check_mamba_ssm_blocks(cfg: dict, file: Path) -> None:
+    """A ``mamba_ssm`` ``MambaConfig`` dict must describe plain RMSNorm → mixer blocks."""
+    if cfg.get("d_intermediate", 0):
+        raise CheckpointError(f"{file}: d_intermediate={cfg['d_intermediate']} (MLP blocks after "
+                              f"the mixer) is not supported")
+    if cfg.get("attn_layer_idx"):
+        raise CheckpointError(f"{file}: attn_layer_idx={cfg['attn_layer_idx']} (hybrid attention "
+                              f"layers) is not supported")
+    if not cfg.get("rms_norm", True):
+        raise CheckpointError(f"{file}: rms_norm=false (LayerNorm blocks) is not supported")
+
+
+def padded_vocab(cfg: dict) -> tuple[int, int]:
+    """``(vocab_size, rows)`` of a ``mamba_ssm`` config: the vocabulary padded to
+    ``pad_vocab_size_multiple``."""
+    vocab = cfg["vocab_size"]
+    mult = cfg.get("pad_vocab_size_multiple", 8) or 1
+    return vocab, vocab + (-vocab) % mult
+
+
+def check_positive_ints(obj: Any, names: Iterable[str]) -> None:
+    for name in names:
+        val = getattr(obj, name)
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+
+
+# ---------------------------------------------------------------------------- config / model API
+class ImportedConfig:
+    """Methods of an imported family's (frozen dataclass) config with the post-hoc MC fields
+    ``mc_variant``, ``mc_mode``, ``segment_len``, ``mc_top_k`` (u = q: ``share_uq``)."""
+
+    @property
+    def mc(self) -> MCConfig:
+        return MCConfig(variant=self.mc_variant, mode=self.mc_mode, segment_len=self.segment_len,
+                        top_k=self.mc_top_k, share_uq=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(names)}")
+        return cls(**cls._from_dict_values(dict(data)))
+
+    @classmethod
+    def _from_dict_values(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``from_dict``'s keyword arguments from the (known) keys of ``data``."""
+        return data
+
+    def replace(self: _C, **changes: Any) -> _C:
+        return dataclasses.replace(self, **changes)
+
+
+class RebuildsUnderMC:
+    """``with_mc`` for a model built from ``self.config`` (an :class:`ImportedConfig`)."""
+
+    def with_mc(self: _M, **mc: Any) -> _M:
+        """The same weights under other MC settings (``mc_variant``, ``mc_mode``, ...)."""
+        new = type(self)(self.config.replace(**mc))
+        new.load_state_dict(self.state_dict())
+        return new.to(device=self.device, dtype=self.dtype).eval()
+
+
+# ---------------------------------------------------------------------------- weights
+def listed(names, n: int = 8) -> str:
+    """The first ``n`` of ``names`` (sorted, quoted) and how many more."""
+    names = sorted(names)
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(repr(x) for x in names[:n]) + more
+
+
+def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, Path],
+                 rename: Callable[[str], str], source_name: Callable[[str], str], *,
+                 config_file: Path, tied: bool, what: str,
+                 embed_name: str = "embed.weight") -> nn.Module:
+    """Load ``stored`` (source names) into ``model`` after renaming, or raise a
+    ``CheckpointError`` naming the file and the source tensor: two tensors with one name, a
+    missing tensor, an unknown one, a wrong shape or a non-float dtype; a tied head stored with
+    values other than the embedding's (``embed_name``). ``source_name`` maps our names back
+    for messages."""
+    renamed: dict[str, Tensor] = {}
+    src_of: dict[str, str] = {}
+    for name, t in stored.items():
+        ours = rename(name)
+        if ours in renamed:
+            raise CheckpointError(f"{origin[name]}: tensors {src_of[ours]!r} and {name!r} both "
+                                  f"map to {ours!r}")
+        renamed[ours] = t
+        src_of[ours] = name
+    expected = model.state_dict()
+    weights_file = next(iter(origin.values())) if origin else config_file.parent
+    if tied and "lm_head.weight" in renamed and embed_name in renamed:
+        if not torch.equal(renamed["lm_head.weight"], renamed[embed_name]):
+            raise CheckpointError(f"{origin[src_of['lm_head.weight']]}: "
+                                  f"{src_of['lm_head.weight']!r} and the embedding are tied in "
+                                  f"{config_file} but hold different values")
+        renamed.pop("lm_head.weight")
+        src_of.pop("lm_head.weight")
+    skip = {"lm_head.weight"} if tied else set()
+    missing = [n for n in expected if n not in renamed and n not in skip]
+    if missing:
+        srcs = [source_name(n) for n in missing]
+        more = f" (and {listed(srcs[1:])})" if len(srcs) > 1 else ""
+        raise CheckpointError(f"{weights_file} is missing tensor {srcs[0]!r}{more} required by "
+                              f"{config_file}")
+    unexpected = [n for n in renamed if n not in expected]
+    if unexpected:
+        names = [src_of[n] for n in unexpected]
+        raise CheckpointError(f"{origin[names[0]]} has tensors this {what} model does not use: "
+                              f"{listed(names)}")
+    for name, want in expected.items():
+        if name in skip:
+            continue
+        got, src = renamed[name], src_of[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(f"{origin[src]}: tensor {src!r} has shape {tuple(got.shape)}, "
+                                  f"expected {tuple(want.shape)} from {config_file}")
+        if not got.dtype.is_floating_point:
+            raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
+                                  f"expected a floating point tensor")
+    model.load_state_dict({n: t.to(expected[n].dtype) for n, t in renamed.items()},
+                          strict=not tied)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- shared layers
+def up(x: Tensor) -> Tensor:
+    """Half precision → float32 (as the reference implementations compute norms, Δ and
+    gates); float64 stays."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def causal_conv(full: Tensor, w: Tensor, T: int) -> Tensor:
+    """Depthwise causal conv of the last ``T`` steps as ``W`` shifted multiply-adds (faster than
+    a grouped conv1d on CPU): ``full`` ``(B, W - 1 + T, C)`` (the old tail in front), ``w``
+    ``(C, W)`` → ``(B, T, C)``, without bias."""
+    out = full[:, :T] * w[:, 0]
+    for j in range(1, w.shape[1]):
+        out = out + full[:, j:j + T] * w[:, j]
+    return out
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) · up_proj(x)), fla's GatedMLP with ``hidden_act: swish``."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
