@@ -117,7 +117,7 @@ def paged_layers(engine: LLMEngine) -> tuple[torch.Tensor, list[PagedLayer]]:
     for r, s in enumerate(seqs):
         if s.block_table:
             table[r, :len(s.block_table)] = torch.tensor(s.block_table)
-    seg_len = torch.tensor([s.seg_len for s in seqs])
+    seg_len = torch.tensor([s.segment_fill for s in seqs])
     n_seg = torch.tensor([len(s.block_table) for s in seqs])
     layers = []
     for mc, sl, bl in zip(runner.mems, cache.slot, cache.block, strict=True):
