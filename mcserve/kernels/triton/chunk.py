@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.twins import _prefill_outputs, check_prefill_args
+from mcserve.kernels.triton.prefill import prepare_prefill
 
 
 def _chunk_state_kernel(
@@ -239,31 +239,21 @@ def chunk_linear_prefill_chunked(
     at most 32 when K > 64); ``block_v`` sets the V tile. Scratch: one (K, V) state per chunk
     and head in the accumulation dtype.
     """
-    lay = check_prefill_args(q, k, v, log_a, b, initial_state, segment_len, cu_seqlens, mode,
-                             initial_seg_len, initial_ksum, block_ids, state_pool, ksum_pool)
-    out, final, block_ids, state_pool, ksum_pool = _prefill_outputs(
-        q, v, lay, block_ids, state_pool, ksum_pool, output_final_state, out)
-    B, T, H, K = q.shape
+    prep = prepare_prefill(q, k, v, log_a, b, initial_state, segment_len=segment_len,
+                           cu_seqlens=cu_seqlens, mode=mode, initial_seg_len=initial_seg_len,
+                           initial_ksum=initial_ksum, output_final_state=output_final_state,
+                           block_ids=block_ids, state_pool=state_pool, ksum_pool=ksum_pool,
+                           out=out, chunk_size=chunk_size, block_v=block_v)
+    if prep.empty:
+        return prep.out, prep.final, prep.state_pool, prep.ksum_pool
+    (lay, out, final, block_ids, state_pool, ksum_pool, q, k, v, initial_state, initial_ksum,
+     BK, BV, BT) = prep.args
+    H, K = q.shape[2], q.shape[3]
     V = v.shape[-1]
     N = lay["N"]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    for name, x in (("out", out), ("state_pool", state_pool), ("ksum_pool", ksum_pool)):
-        if x.stride(-1) != 1 and x.numel() > 0:
-            raise ValueError(f"{name} must be contiguous in its last dim")
-    if initial_state is not None and initial_state.stride(-1) != 1:
-        initial_state = initial_state.contiguous()
-    if initial_ksum is not None and initial_ksum.stride(-1) != 1:
-        initial_ksum = initial_ksum.contiguous()
-    if final is not None and final.numel() and final.stride(-1) != 1:
-        raise ValueError("final state must be contiguous in its last dim")
-    if N == 0 or H == 0 or K == 0 or V == 0:  # nothing to compute (empty tensors)
-        return out, final, state_pool, ksum_pool
-    BK = triton.next_power_of_2(max(K, 16))
-    BV = block_v or min(triton.next_power_of_2(max(V, 16)), 64)
-    BT = triton.next_power_of_2(max(16, min(chunk_size, 64 if BK <= 64 else 32)))
     f64 = q.dtype == torch.float64
     acc_dt = torch.float64 if f64 else torch.float32
-    cl = chunk_layout(lay, block_ids.to(q.device), segment_len, BT)
+    cl = chunk_layout(lay, block_ids, segment_len, BT)
     NC = cl["seq"].numel()
     hs = torch.empty(NC, H, K, V, dtype=acc_dt, device=q.device)  # ΔS_c, then S entering c
     ga = torch.empty(NC, H, dtype=acc_dt, device=q.device)  # log-decay over chunk c

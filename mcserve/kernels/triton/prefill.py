@@ -120,6 +120,54 @@ def _chunk_prefill_kernel(
                  mask=mkv)
 
 
+class _Prepared:
+    """What ``prepare_prefill`` hands a prefill launcher."""
+
+    def __init__(self, empty: bool, out, final, state_pool, ksum_pool, args: tuple):
+        self.empty, self.out, self.final = empty, out, final
+        self.state_pool, self.ksum_pool, self.args = state_pool, ksum_pool, args
+
+
+def prepare_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
+                    initial_state: Tensor | None, *, segment_len: int,
+                    cu_seqlens: Tensor | None, mode: str, initial_seg_len: Tensor | int,
+                    initial_ksum: Tensor | None, output_final_state: bool,
+                    block_ids: Tensor | None, state_pool: Tensor | None,
+                    ksum_pool: Tensor | None, out: Tensor | None, chunk_size: int,
+                    block_v: int | None) -> _Prepared:
+    """The host side both prefill launchers share (this walking kernel and ``chunk.py``'s
+    chunk-parallel one): argument checks and layout, output tensors, unit-stride inputs, tile
+    sizes. ``.empty`` when there is nothing to compute; else ``.args`` = (layout, out, final,
+    block_ids on q's device, state_pool, ksum_pool, q, k, v, initial_state, initial_ksum, BK,
+    BV, BT)."""
+    lay = check_prefill_args(q, k, v, log_a, b, initial_state, segment_len, cu_seqlens, mode,
+                             initial_seg_len, initial_ksum, block_ids, state_pool, ksum_pool)
+    out, final, block_ids, state_pool, ksum_pool = _prefill_outputs(
+        q, v, lay, block_ids, state_pool, ksum_pool, output_final_state, out)
+    H, K = q.shape[2], q.shape[3]
+    V = v.shape[-1]
+    N = lay["N"]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    for name, x in (("out", out), ("state_pool", state_pool), ("ksum_pool", ksum_pool)):
+        if x.stride(-1) != 1 and x.numel() > 0:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    if initial_state is not None and initial_state.stride(-1) != 1:
+        initial_state = initial_state.contiguous()
+    if initial_ksum is not None and initial_ksum.stride(-1) != 1:
+        initial_ksum = initial_ksum.contiguous()
+    if final is not None and final.numel() and final.stride(-1) != 1:
+        raise ValueError("final state must be contiguous in its last dim")
+    if N == 0 or H == 0 or K == 0 or V == 0:  # nothing to compute (empty tensors)
+        return _Prepared(True, out, final, state_pool, ksum_pool, ())
+    BK = triton.next_power_of_2(max(K, 16))
+    BV = block_v or min(triton.next_power_of_2(max(V, 16)), 64)
+    # token tile: 64 (32 for K > 64, to keep q, k and S of one program in registers)
+    BT = triton.next_power_of_2(max(16, min(chunk_size, 64 if BK <= 64 else 32)))
+    return _Prepared(False, out, final, state_pool, ksum_pool,
+                     (lay, out, final, block_ids.to(q.device), state_pool, ksum_pool, q, k, v,
+                      initial_state, initial_ksum, BK, BV, BT))
+
+
 def chunk_linear_prefill(
     q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None = None, b: Tensor | None = None,
     initial_state: Tensor | None = None, *, segment_len: int, cu_seqlens: Tensor | None = None,
@@ -134,30 +182,18 @@ def chunk_linear_prefill(
     One launch, grid (N, H, ⌈V/BV⌉); ``chunk_size`` bounds the token tile BT (a power of two
     in [16, 64], at most 32 when K > 64), ``block_v`` sets the V tile.
     """
-    lay = check_prefill_args(q, k, v, log_a, b, initial_state, segment_len, cu_seqlens, mode,
-                             initial_seg_len, initial_ksum, block_ids, state_pool, ksum_pool)
-    out, final, block_ids, state_pool, ksum_pool = _prefill_outputs(
-        q, v, lay, block_ids, state_pool, ksum_pool, output_final_state, out)
+    prep = prepare_prefill(q, k, v, log_a, b, initial_state, segment_len=segment_len,
+                           cu_seqlens=cu_seqlens, mode=mode, initial_seg_len=initial_seg_len,
+                           initial_ksum=initial_ksum, output_final_state=output_final_state,
+                           block_ids=block_ids, state_pool=state_pool, ksum_pool=ksum_pool,
+                           out=out, chunk_size=chunk_size, block_v=block_v)
+    if prep.empty:
+        return prep.out, prep.final, prep.state_pool, prep.ksum_pool
+    (lay, out, final, block_ids, state_pool, ksum_pool, q, k, v, initial_state, initial_ksum,
+     BK, BV, BT) = prep.args
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = lay["N"]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    for name, x in (("out", out), ("state_pool", state_pool), ("ksum_pool", ksum_pool)):
-        if x.stride(-1) != 1 and x.numel() > 0:
-            raise ValueError(f"{name} must be contiguous in its last dim")
-    if initial_state is not None and initial_state.stride(-1) != 1:
-        initial_state = initial_state.contiguous()
-    if initial_ksum is not None and initial_ksum.stride(-1) != 1:
-        initial_ksum = initial_ksum.contiguous()
-    if final is not None and final.numel() and final.stride(-1) != 1:
-        raise ValueError("final state must be contiguous in its last dim")
-    if N == 0 or H == 0 or K == 0 or V == 0:  # nothing to compute (empty tensors)
-        return out, final, state_pool, ksum_pool
-    BK = triton.next_power_of_2(max(K, 16))
-    BV = block_v or min(triton.next_power_of_2(max(V, 16)), 64)
-    # token tile: 64 (32 for K > 64, to keep q, k and S of one program in registers)
-    BT = triton.next_power_of_2(max(16, min(chunk_size, 64 if BK <= 64 else 32)))
-    block_ids = block_ids.to(q.device)
     dummy = q
     la = log_a if log_a is not None else dummy
     bw = b if b is not None else dummy
