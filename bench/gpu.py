@@ -26,6 +26,8 @@ name) and a device-to-device copy measured at the start of the run.
    configuration and cache copy come from ``bench/long_context.py``.
 3. **CUDA graphs**: the Mamba2 float32 decode step with ``EngineConfig.enforce_eager=True``
    against the default (graphs captured at start-up), when the field exists.
+4. **Profile**: one stream of that Mamba2 under ``torch.profiler``, eager and with graphs:
+   kernels and host launch calls per decode step, and the card's busy fraction of the step.
 
 Targets (printed PASS/FAIL, never asserted): Mamba2-130M float32 at 1 stream >= 1000 tokens/s;
 at 256 streams >= 30% of the floor; 32K prefill of grm and ssc8 <= 2x the SDPA Transformer's;
@@ -615,6 +617,74 @@ def graphs_section(args, dev: torch.device, budget: Budget, res: dict, mamba2: d
                 title="Mamba2 float32 decode step: enforce_eager vs CUDA graphs")
 
 
+def profile_section(args, dev: torch.device, budget: Budget, res: dict, mamba2: dict) -> None:
+    """Section 4: what one decode step launches and how long the card works in it. One stream
+    of the section-1 Mamba2 (float32), eager and with CUDA graphs: ``--profile-steps`` engine
+    steps timed plainly (the wall time), then the same number under ``torch.profiler``: kernels
+    run on the card per step, host-side launch calls per step (``cudaLaunchKernel`` and kin, and
+    ``cudaGraphLaunch``), and the kernels' summed time over the plain step time (busy)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = mamba2.get("shape", args.m_shape)
+    model_dir = bl.mamba2_dir(shape)
+    ids = bl.prompts(shape["vocab_size"], 1, args.prompt_len)[0]
+    k = args.profile_steps
+    max_len = args.prompt_len + 2 * k + 8
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    rows = []
+    for eager in (True, False):
+        if not budget.ok(f"profile enforce_eager={eager}"):
+            continue
+        llm = mcserve_engine(model_dir, "float32", dev, 1, max_len, args.prompt_len, eager=eager)
+        eng = llm.engine
+        engine_generate(eng, [ids], 4, f"pwarm{eager}")
+        params = SamplingParams(max_tokens=2 * k + 4, temperature=0.0, ignore_eos=True)
+        eng.add_request(f"prof{eager}", None, params, prompt_token_ids=ids)
+        eng.step()  # the prefill
+        eng.step()
+        walls = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            eng.step()  # returns host token ids: the step's work is finished
+            walls.append(time.perf_counter() - t0)
+        with profile(activities=acts) as p:
+            for _ in range(k):
+                eng.step()
+            sync(dev)
+        while eng.has_unfinished_requests():
+            eng.step()
+        events = p.events()
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        launches = [e for e in events if e.device_type == DeviceType.CPU and (
+            "LaunchKernel" in e.name or "GraphLaunch" in e.name)]
+        graph_launches = sum("GraphLaunch" in e.name for e in launches)
+        busy_us = sum(e.time_range.elapsed_us() for e in kernels) / k
+        wall = statistics.median(walls)
+        row = {"enforce_eager": eager, "steps": k, "step_s_median": wall,
+               "kernels_per_step": len(kernels) / k, "launch_calls_per_step": len(launches) / k,
+               "graph_launches_per_step": graph_launches / k,
+               "gpu_busy_s_per_step": busy_us / 1e6,
+               "gpu_busy_frac": (busy_us / 1e6 / wall) if kernels else None,
+               "graphs_captured": graphs_captured(eng)}
+        rows.append(row)
+        print(f"  eager={eager}: step {wall * 1e3:.3f} ms, {row['kernels_per_step']:.0f} kernels "
+              f"and {row['launch_calls_per_step']:.0f} launch calls per step, GPU busy "
+              f"{busy_us / 1e3:.3f} ms ({pct(row['gpu_busy_frac'])})", flush=True)
+        del llm, eng, p, events, kernels, launches
+        release(dev)
+    res["rows"] = rows
+    if dev.type != "cuda":
+        res["note"] = "not CUDA: no kernels to count (a code-path smoke)"
+    print_table([[r["enforce_eager"], f"{r['step_s_median'] * 1e3:.3f}",
+                  f"{r['kernels_per_step']:.0f}", f"{r['launch_calls_per_step']:.0f}",
+                  f"{r['gpu_busy_s_per_step'] * 1e3:.3f}", pct(r["gpu_busy_frac"])]
+                 for r in rows],
+                ["enforce_eager", "step ms", "kernels / step", "launch calls / step",
+                 "GPU busy ms / step", "GPU busy"],
+                title="Mamba2 float32 decode step, 1 stream, under torch.profiler")
+
+
 # --------------------------------------------------------------------------- targets
 
 
@@ -666,8 +736,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-tbs", type=float, default=None,
                     help="nominal bandwidth in TB/s (default by card name: H100 3.35, H200 4.8)")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth size (1024)")
-    ap.add_argument("--sections", nargs="+", default=["mamba2", "long_context", "graphs"],
-                    choices=["mamba2", "long_context", "graphs"])
+    ap.add_argument("--sections", nargs="+",
+                    default=["mamba2", "long_context", "graphs", "profile"],
+                    choices=["mamba2", "long_context", "graphs", "profile"])
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="1 16 64 256")
     ap.add_argument("--tf-streams", type=int, nargs="+", default=None, help="1 16 64 256")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
@@ -683,6 +754,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tf-chunk", type=int, default=None, help="Transformer prefill chunk (4096)")
     ap.add_argument("--tf-compile", action="store_true",
                     help="also time transformers' compiled static-cache decode (compiles: slow)")
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help="decode steps profiled per mode (16)")
     ap.add_argument("--graph-streams", type=int, nargs="+", default=None, help="1 64")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
@@ -695,6 +768,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     repeats=1 if q else 3, lc_length=256 if q else 32768,
                     lc_steps=4 if q else 16, lc_warmup=1 if q else 3,
                     tf_chunk=128 if q else 4096, graph_streams=[1, 4] if q else [1, 64],
+                    profile_steps=4 if q else 16,
                     copy_mib=8 if q else 1024)
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -786,6 +860,9 @@ def main(argv: list[str] | None = None) -> int:
     if "long_context" in args.sections:
         lcres = data.setdefault("long_context", {})
         guarded("2. long context", lambda: long_context_section(args, dev, budget, bw, lcres))
+    if "profile" in args.sections:
+        pres = data.setdefault("profile", {})
+        guarded("4. profile", lambda: profile_section(args, dev, budget, pres, mamba2))
     if "mamba2" in args.sections and rest:
         guarded(f"1. Mamba2 ({', '.join(rest)})",
                 lambda: mamba2_section(args, dev, budget, bw, mamba2, rest))
