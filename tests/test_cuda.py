@@ -64,12 +64,20 @@ def test_engine_on_cuda_matches_cpu(monkeypatch, memory, variant, mode, pool):
 
     calls = []
     real = MCMemory.decode_paged_kernels
+    real_fused = dispatch.fused_linear_decode
 
     def spy(mc, pl, q, *a, **kw):
         calls.append(dispatch.get_backend(q))
         return real(mc, pl, q, *a, **kw)
 
+    def spy_fused(x, *a, **kw):
+        calls.append(dispatch.get_backend(x))
+        return real_fused(x, *a, **kw)
+
+    # the linear memory's decode is one fused call per layer; swla and host-tier blocks take
+    # decode_paged_kernels
     monkeypatch.setattr(MCMemory, "decode_paged_kernels", spy)
+    monkeypatch.setattr(dispatch, "fused_linear_decode", spy_fused)
     want, _ = _run(_model(memory, variant, mode, "cpu"), "cpu")
     assert not calls  # CPU tensors keep the torch path
     got, _ = _run(_model(memory, variant, mode, "cuda"), "cuda", **pool)

@@ -267,7 +267,11 @@ def _run_fused(case, tol=None):
     y_a = dispatch.fused_linear_decode(x, z, S_a, backend="triton", out=out, **kw_a)
     assert y_a is out
     y_b = dispatch.fused_linear_decode(x, z, S_b, backend="torch", **kw_b)
-    tol = tol or TOL[x.dtype]
+    # compiled for the GPU, float64 agrees to ~1e-8 relative, not 1e-10 as interpreted (seen on
+    # an H200 in the Mamba2 cases: softplus, exp and the group norm in the kernel's float64
+    # lowering); far below the float32 tolerance, so a logic error still shows
+    tol = tol or (TOL[x.dtype] * (1000 if DEV.type == "cuda" and x.dtype == torch.float64
+                                  else 1))
     assert _rel(y_a, y_b) < tol
     assert _rel(S_a, S_b) < tol and not torch.equal(S_b, S)  # updated in place
     for n in inplace:
@@ -376,6 +380,102 @@ def test_fused_twin_is_the_mamba2_mixer_step(variant, G):
         assert _rel(ks2, pl.seg_ksum) < 1e-12
 
 
+@needs_triton
+@pytest.mark.parametrize("variant,G", [("grm", 1), ("ssc", 2), ("none", 2), ("post", 1)])
+def test_mamba2_decode_takes_the_fused_kernel(monkeypatch, variant, G):
+    # on a kernel backend Mamba2Mixer.forward_paged is in_proj → one fused call → out_proj, with
+    # the same output and the same in-place updates (state, conv tail, key sum) as the
+    # unfused torch path
+    from mcserve.models.mamba2 import Mamba2Config, Mamba2Mixer
+
+    cfg = Mamba2Config(d_model=12, n_heads=4, head_dim=3, state_size=5, n_groups=G,
+                       mc_variant=variant, segment_len=4, time_step_limit=(0.05, 2.0),
+                       delta_scale=0.8, d_has_hdim=G == 2)
+    m = Mamba2Mixer(cfg, 0).double()
+    _randomize(m, 7)
+    m = m.to(DEV)
+    B, H, P, N = 3, 4, 3, 5
+    g = torch.Generator().manual_seed(8)
+    S = torch.randn(B, H, N, P, generator=g, dtype=torch.float64)
+    conv = torch.randn(B, 3, cfg.conv_dim, generator=g, dtype=torch.float64)
+    csum = torch.randn(B, H, N, P, generator=g, dtype=torch.float64)
+    x = _d(torch.randn(B, 1, 12, generator=g, dtype=torch.float64))
+
+    def layer():
+        pl = _pl_for(S.clone(), conv.clone(), H, N, [3, 0, 2], 9)
+        pl.csum = {"S": csum.clone()} if variant == "post" else None
+        for f in ("conv", "seg_ksum", "seg_len", "n_seg", "table", "ksum_pool"):
+            setattr(pl, f, _d(getattr(pl, f)))
+        pl.mem, pl.pool = {"S": _d(pl.mem["S"])}, {"S": _d(pl.pool["S"])}
+        pl.csum = {"S": _d(pl.csum["S"])} if pl.csum else None
+        return pl
+
+    calls = []
+    real = dispatch.fused_linear_decode
+    monkeypatch.setattr(dispatch, "fused_linear_decode",
+                        lambda *a, **kw: calls.append(kw["variant"]) or real(*a, **kw))
+    a, b = layer(), layer()
+    with torch.no_grad():
+        monkeypatch.setenv("MCSERVE_KERNELS", "torch")
+        want = m.forward_paged(x, b)
+        assert not calls  # the torch backend keeps the unfused path
+        monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+        got = m.forward_paged(x, a)
+    assert calls == [variant]
+    tol = TOL[torch.float64] * (100 if DEV.type == "cuda" else 1)
+    assert _rel(got, want) < tol
+    assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
+    if variant != "none":
+        assert _rel(a.seg_ksum, b.seg_ksum) < tol
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["grm", "ssc", "post", "none"])
+def test_native_decode_takes_the_fused_kernel(monkeypatch, variant):
+    # the native MCMixer on a kernel backend: stacked projection → one fused call → o_proj,
+    # same output and in-place updates as the unfused torch path
+    from mcserve.config import ModelConfig
+    from mcserve.models.native import MCMixer
+
+    H, K, B = 2, 4, 3
+    cfg = ModelConfig(d_model=12, n_heads=H, head_dim=K, mc_variant=variant, segment_len=4,
+                      mc_top_k=1)
+    m = MCMixer(cfg, 0).double()
+    _randomize(m, 11)
+    m = m.to(DEV)
+    g = torch.Generator().manual_seed(12)
+    S = torch.randn(B, H, K, K, generator=g, dtype=torch.float64)
+    conv = torch.randn(B, 3, 3 * H * K, generator=g, dtype=torch.float64)
+    csum = torch.randn(B, H, K, K, generator=g, dtype=torch.float64)
+    x = _d(torch.randn(B, 1, 12, generator=g, dtype=torch.float64))
+
+    def layer():
+        pl = _pl_for(S.clone(), conv.clone(), H, K, [3, 0, 2], 13)
+        for f in ("conv", "seg_ksum", "seg_len", "n_seg", "table", "ksum_pool"):
+            setattr(pl, f, _d(getattr(pl, f)))
+        pl.mem, pl.pool = {"S": _d(pl.mem["S"])}, {"S": _d(pl.pool["S"])}
+        pl.csum = {"S": _d(csum.clone())} if variant == "post" else None
+        return pl
+
+    calls = []
+    real = dispatch.fused_linear_decode
+    monkeypatch.setattr(dispatch, "fused_linear_decode",
+                        lambda *a, **kw: calls.append(kw["variant"]) or real(*a, **kw))
+    a, b = layer(), layer()
+    with torch.no_grad():
+        monkeypatch.setenv("MCSERVE_KERNELS", "torch")
+        want = m.forward_paged(x, b)
+        assert not calls
+        monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+        got = m.forward_paged(x, a)
+    assert calls == [variant]
+    tol = TOL[torch.float64] * (100 if DEV.type == "cuda" else 1)
+    assert _rel(got, want) < tol
+    assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
+    if variant != "none":
+        assert _rel(a.seg_ksum, b.seg_ksum) < tol
+
+
 @pytest.mark.parametrize("variant", ["grm", "ssc", "post"])
 def test_fused_twin_is_the_native_mixer_step(variant):
     # MCMixer.forward_paged (native model) == stacked projection → twin → o_proj
@@ -419,3 +519,27 @@ def test_fused_twin_is_the_native_mixer_step(variant):
     assert _rel(got, want) < 1e-12
     assert _rel(S2, pl.mem["S"]) < 1e-12 and torch.equal(conv2, pl.conv)
     assert _rel(ks2, pl.seg_ksum) < 1e-12
+
+
+@needs_triton
+@pytest.mark.parametrize("name,static", [
+    ("mamba2-grm", False), ("mamba2-grm", True), ("mamba2-none", False), ("linear-ssc", True),
+    ("linear-post", False)])
+def test_engine_decode_through_the_fused_kernel(monkeypatch, name, static):
+    # the whole engine (prefill, then decode steps, ragged or padded to a bucket) on the kernel
+    # backend gives the same greedy tokens as on the torch backend, and its decode steps go
+    # through the fused kernel
+    import test_static_decode as sd
+
+    kw = dict(device=DEV.type)
+    ps = sd.prompts(3)
+    monkeypatch.setenv("MCSERVE_KERNELS", "torch")
+    want = sd.run(sd.engine(sd.MODELS[name]().to(DEV), static, **kw), ps)
+    calls = []
+    real = dispatch.fused_linear_decode
+    monkeypatch.setattr(dispatch, "fused_linear_decode",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+    got = sd.run(sd.engine(sd.MODELS[name]().to(DEV), static, **kw), ps)
+    assert got == want
+    assert calls and (not static or min(calls) >= 3)  # static: padded to a bucket of >= 3 rows

@@ -594,10 +594,10 @@ def test_mc_chunk_online_term_through_the_prefill_kernel(monkeypatch, backend, v
 
     g = torch.Generator().manual_seed(T)
     B, H, K, V, C, f0 = 2, 3, 4, 5, 8, 3
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, device="cpu")  # noqa: E731
+    r = lambda *s: _d(torch.randn(*s, generator=g, dtype=torch.float64))  # noqa: E731
     q, k, u, v = r(B, T, H, K), r(B, T, H, K) / 2, r(B, T, H, K), r(B, T, H, V)
-    log_a = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.3
-    b = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    log_a = _d(-torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.3)
+    b = _d(torch.rand(B, T, H, generator=g, dtype=torch.float64))
     N = 1 if variant == "post" else 3
     st = dict(initial_state=r(B, H, K, V), initial_ksum=r(B, H, K), initial_fill=f0,
               cached=r(B, N, H, K, V), cached_ksum=r(B, N, H, K), n_segments=3)
