@@ -6,7 +6,8 @@ position L), and the recurrent state one sequence holds at L (online memories, c
 memories and their key sums, conv tails). Settings run interleaved and each time is the minimum
 of ``--repeats`` runs, so load from other processes on a shared machine inflates it least::
 
-    python experiments/posthoc/cost.py --json experiments/posthoc/results/cost.json
+    python experiments/posthoc/cost.py --json experiments/posthoc/results/T512/cost.json
+    python experiments/posthoc/cost.py --model experiments/posthoc/ckpt --delta-scale 0.09
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ def state_bytes(state) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "experiments/posthoc/ckpt"))
+    ap.add_argument("--model", default=str(ROOT / "experiments/posthoc/ckpt512"))
     ap.add_argument("--data", default=str(ROOT / "experiments/posthoc/data/eval.bin"))
-    ap.add_argument("--lengths", default="128,512,2048,4096")
-    ap.add_argument("--settings", default="as-is,reset:128,post:128:independent,"
-                    "post:64:independent,post:128:checkpoint,grm:128:independent,"
-                    "ssc:128:checkpoint:2,loglinear:128:checkpoint")
-    ap.add_argument("--delta-scale", default="0.09",
+    ap.add_argument("--lengths", default=None,
+                    help="comma-separated lengths (default: T, 4T, 16T, 32T; T = the "
+                    "model's training length)")
+    ap.add_argument("--settings", default="as-is,reset:{T},post:{T}:independent,"
+                    "post:{H}:independent,post:{T}:checkpoint,grm:{T}:independent,"
+                    "ssc:{T}:checkpoint:2,loglinear:{T}:checkpoint",
+                    help="comma-separated settings; {T} and {H} stand for T and T/2")
+    ap.add_argument("--delta-scale", default=None,
                     help="also time as-is with this Δ scale (its cost is that of as-is)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -56,8 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     base = load_model(args.model)
     T = base.config.max_position_embeddings
     ids = torch.from_numpy(np.fromfile(args.data, dtype="<u2").astype(np.int64))
-    lengths = [int(x) for x in args.lengths.split(",")]
-    settings = [parse_setting(s, T) for s in args.settings.split(",")]
+    lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
+               else [T, 4 * T, 16 * T, 32 * T])
+    settings = [parse_setting(s, T)
+                for s in args.settings.format(T=T, H=T // 2).split(",")]
     models = {s.name: (model_for(base, s), s) for s in settings}
     if args.delta_scale:
         scaled = base.with_delta_scale(float(args.delta_scale))

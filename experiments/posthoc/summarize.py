@@ -2,8 +2,8 @@
 
     python experiments/posthoc/summarize.py experiments/posthoc/results/*.json
 
-Table 1: window perplexity per setting × length, and at 16× and 32× the ratio to ``reset:T``
-(T = the shortest length, the training length) on the same windows. ``reset:T`` restarts the
+Table 1: window perplexity per setting × length, and at the longest three lengths the ratio
+to ``reset:T`` (T = the shortest length, the training length) on the same windows. ``reset:T`` restarts the
 memory every T tokens, so every position sees at most T tokens of context, as in training: its
 window perplexity is the model's 1× perplexity on exactly those tokens, and the ratio is the
 degradation past the training length with the text held fixed. Table 2: perplexity per
@@ -56,15 +56,14 @@ def main(paths: list[str]) -> None:
         L = sorted(lengths)
         L0 = L[0]
         ref = ppl_rows.get(f"reset:{L0}")
+        rel = L[-3:] if ref and len(L) > 3 else []  # the longest three, relative to reset:T
         print("| setting | " + " | ".join(f"{n} ({n // L0}×)" for n in L)
-              + (f" | {L[-2] // L0}× vs 1× | {L[-1] // L0}× vs 1× |" if ref and len(L) > 2
-                 else " |"))
-        print("|---" * (len(L) + 1 + (2 if ref and len(L) > 2 else 0)) + "|")
+              + "".join(f" | {n // L0}× vs 1×" for n in rel) + " |")
+        print("|---" * (len(L) + 1 + len(rel)) + "|")
         for name, row in ppl_rows.items():
             cells = [f"{row[n]:.2f}" if n in row else "-" for n in L]
-            if ref and len(L) > 2:
-                cells += [f"{row[n] / ref[n] - 1:+.0%}" if n in row and n in ref else "-"
-                          for n in L[-2:]]
+            cells += [f"{row[n] / ref[n] - 1:+.0%}" if n in row and n in ref else "-"
+                      for n in rel]
             print(f"| {name} | " + " | ".join(cells) + " |")
         print()
         print("| setting | " + " | ".join(f"[{a},{b})" for a, b in buckets) + " |")
