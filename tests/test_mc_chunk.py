@@ -105,6 +105,27 @@ def test_chunk_equals_naive_twin_from_a_carried_state(monkeypatch, variant, spar
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tile,tile_bytes", [(16, 3 * 8 * 2 * 16 * 6 * 4), (2048, 1 << 30)])
+def test_chunk_gpu_tiling_equals_naive_twin(monkeypatch, tile, tile_bytes):
+    """The GPU's large readout tiles (taken on the CPU here): several token tiles and
+    checkpoint blocks of 3, or one tile holding everything; same results as the naive twin."""
+    monkeypatch.setattr(mc_chunk, "_big_tiles", lambda x: True)
+    monkeypatch.setattr(mc_chunk, "_GPU_TOKEN_TILE", tile)
+    monkeypatch.setattr(mc_chunk, "_GPU_TILE_BYTES", tile_bytes)
+    gen = torch.Generator().manual_seed(8)
+    B, T, H, K, V, C = 2, 45, 2, 8, 6, 4
+    q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)
+    st = dict(initial_state=torch.randn(B, H, K, V, generator=gen),
+              initial_ksum=torch.randn(B, H, K, generator=gen), initial_fill=3,
+              cached=torch.randn(B, 7, H, K, V, generator=gen),
+              cached_ksum=torch.randn(B, 7, H, K, generator=gen) * 4, n_segments=7)
+    mc = MCConfig(variant="grm", segment_len=C, top_k=2)
+    got = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
+    want = mc_linear_chunk_naive(q, k, v, u, log_a, b, mc=mc, **st)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_chunk_without_gates_and_single_token():
     gen = torch.Generator().manual_seed(3)
     B, H, K, V, C = 1, 2, 4, 4, 4

@@ -37,6 +37,15 @@ from mcserve.kernels.gla import chunk_gla, naive_gla
 
 _READ_BLOCK = 32  # checkpoints per GEMM in the cached readout
 _TOKEN_TILE = 256  # tokens per GEMM (measured best on a 2-core AVX2 CPU at K = V = 64)
+# on a GPU the small CPU tiles make thousands of launches per chunk that each run for
+# microseconds: tiles there are as large as a temporary of this many bytes allows
+_GPU_TILE_BYTES = 256 * 2**20
+_GPU_TOKEN_TILE = 2048
+
+
+def _big_tiles(x: Tensor) -> bool:
+    """The GPU tiling for ``x``'s device (a function, so a test can take it on the CPU)."""
+    return not x.is_cpu
 # ssc reads its picks through a gather (embedding bag) instead of the dense tiled readout once
 # there are this many times more checkpoints than picks: the dense form reads every checkpoint
 # for every token, the gather top_k of them
@@ -95,12 +104,16 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
     qh = q.transpose(1, 2)  # (B, H, L, K)
     wh = w.permute(0, 3, 1, 2)  # (B, H, L, N)
     out = q.new_zeros(B, H, L, V)
-    for t0 in range(0, L, _TOKEN_TILE):
-        t1 = min(L, t0 + _TOKEN_TILE)
+    tile, block = _TOKEN_TILE, _READ_BLOCK
+    if _big_tiles(q):  # (B, H, tile, block, V) reads per GEMM within the byte budget
+        tile = min(L, _GPU_TOKEN_TILE)
+        block = max(1, _GPU_TILE_BYTES // (B * H * tile * V * q.element_size()))
+    for t0 in range(0, L, tile):
+        t1 = min(L, t0 + tile)
         n_vis = min(N, n_carried + (t1 - 1) // segment_len)
         acc = None
-        for n0 in range(0, n_vis, _READ_BLOCK):
-            n1 = min(n_vis, n0 + _READ_BLOCK)
+        for n0 in range(0, n_vis, block):
+            n1 = min(n_vis, n0 + block)
             reads = torch.matmul(qh[:, :, t0:t1], Sk[:, :, :, n0:n1].reshape(B, H, K, -1))
             reads = reads.view(B, H, t1 - t0, n1 - n0, V)  # S_nᵀ q_t for the tile
             part = torch.matmul(wh[:, :, t0:t1, None, n0:n1], reads)[:, :, :, 0]

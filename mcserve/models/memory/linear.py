@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.kernels import dispatch
 from mcserve.kernels.gla import chunk_gla
 from mcserve.models.memory.base import State
 
@@ -70,7 +71,14 @@ class LinearMemory:
 
     def scan(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
              ) -> tuple[Tensor, State]:
-        o, S = chunk_gla(q, k, v, gates.get("log_a"), gates.get("b"), state["S"])
+        log_a, b = gates.get("log_a"), gates.get("b")
+        if q.shape[1] > 1 and dispatch.get_backend(q) == "triton":
+            # the chunk-parallel prefill kernel, the span as one segment: a few launches
+            # instead of chunk_gla's dozen small ops per 64-token chunk (a GPU idles on those)
+            o, S, _, _ = dispatch.chunk_linear_prefill(q, k, v, log_a, b, state["S"],
+                                                       segment_len=q.shape[1])
+            return o, {"S": S}
+        o, S = chunk_gla(q, k, v, log_a, b, state["S"])
         return o, {"S": S}
 
     def step_(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
