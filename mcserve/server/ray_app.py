@@ -354,6 +354,11 @@ class MCServeEngine:
         if req.get("to") not in (None, self.name):
             return {"replica": self.name, "blocks": 0}
         hashes = list(req.get("hashes") or [])
+        # nothing of it cached here (still being prefilled, or evicted): say so at once rather
+        # than after the engine thread's current step, which may be a long prefill (the caller
+        # recomputes meanwhile). Read from the event loop, as ``_migrate`` reads its own index
+        if not self.llm.cached_prefix_blocks(hashes):
+            return {"replica": self.name, "blocks": 0}
         export = await self.aengine.call(lambda e: e.export_prefix(hashes=hashes))
         if not export.num_blocks:
             return {"replica": self.name, "blocks": 0}
