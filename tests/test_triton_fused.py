@@ -422,7 +422,7 @@ def test_mamba2_decode_takes_the_fused_kernel(monkeypatch, variant, G):
         monkeypatch.setenv("MCSERVE_KERNELS", "triton")
         got = m.forward_paged(x, a)
     assert calls == [variant]
-    tol = TOL[torch.float64] * (100 if DEV.type == "cuda" else 1)
+    tol = TOL[torch.float64] * (1000 if DEV.type == "cuda" else 1)  # see _run_fused
     assert _rel(got, want) < tol
     assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
     if variant != "none":
@@ -469,7 +469,7 @@ def test_native_decode_takes_the_fused_kernel(monkeypatch, variant):
         monkeypatch.setenv("MCSERVE_KERNELS", "triton")
         got = m.forward_paged(x, a)
     assert calls == [variant]
-    tol = TOL[torch.float64] * (100 if DEV.type == "cuda" else 1)
+    tol = TOL[torch.float64] * (1000 if DEV.type == "cuda" else 1)  # see _run_fused
     assert _rel(got, want) < tol
     assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
     if variant != "none":
@@ -531,7 +531,9 @@ def test_engine_decode_through_the_fused_kernel(monkeypatch, name, static):
     # through the fused kernel
     import test_static_decode as sd
 
-    kw = dict(device=DEV.type)
+    # on CUDA eagerly: replays of captured graphs would not pass through Python (the graphs
+    # have their own tests in tests/test_cuda.py)
+    kw = dict(device=DEV.type, enforce_eager=DEV.type == "cuda")
     ps = sd.prompts(3)
     monkeypatch.setenv("MCSERVE_KERNELS", "torch")
     want = sd.run(sd.engine(sd.MODELS[name]().to(DEV), static, **kw), ps)
@@ -543,3 +545,24 @@ def test_engine_decode_through_the_fused_kernel(monkeypatch, name, static):
     got = sd.run(sd.engine(sd.MODELS[name]().to(DEV), static, **kw), ps)
     assert got == want
     assert calls and (not static or min(calls) >= 3)  # static: padded to a bucket of >= 3 rows
+
+
+@needs_triton
+def test_fused_decode_pays_and_the_wide_table_fallback(monkeypatch):
+    # few (row, head) programs and many blocks: grm/soup keep the unfused step (its readout is
+    # split over N); ssc, none and the fixed-weight variants always fuse
+    assert not dispatch.fused_decode_pays(1, 4, 64, 512, "grm")
+    assert dispatch.fused_decode_pays(64, 4, 64, 512, "grm")
+    assert dispatch.fused_decode_pays(1, 4, 64, 8, "soup")
+    assert all(dispatch.fused_decode_pays(1, 4, 64, 512, v) for v in ("ssc", "none", "post"))
+    import test_static_decode as sd
+
+    calls = []
+    monkeypatch.setattr(dispatch, "fused_decode_pays", lambda *a: False)
+    monkeypatch.setattr(dispatch, "fused_linear_decode", lambda *a, **k: calls.append(1))
+    monkeypatch.setenv("MCSERVE_KERNELS", "torch")
+    kw = dict(device=DEV.type, enforce_eager=DEV.type == "cuda")
+    want = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), False, **kw), sd.prompts(2))
+    monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+    got = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), False, **kw), sd.prompts(2))
+    assert got == want and not calls

@@ -22,6 +22,7 @@ Everything here needs CUDA; on the CPU the same static step runs eagerly (tests,
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -115,13 +116,23 @@ class DecodeGraphs:
                             self.step(batch, width)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        with torch.no_grad():
-            for width in reversed(self.table_widths):
-                for batch in reversed(self.batch_sizes):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        out = self.step(batch, width)
-                    self.graphs[(batch, width)] = (g, out)
+        # no garbage collection while capturing: collecting an unreachable engine would destroy
+        # its graphs and free its memory pool, CUDA calls that invalidate a capture in progress
+        # (a capture then fails at random); collect first, then pause the collector
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.no_grad():
+                for width in reversed(self.table_widths):
+                    for batch in reversed(self.batch_sizes):
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=self.pool):
+                            out = self.step(batch, width)
+                        self.graphs[(batch, width)] = (g, out)
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs of the decode step (batch %s x table width %s)",
                  len(self.graphs), self.batch_sizes, self.table_widths)

@@ -28,7 +28,8 @@ from mcserve.kernels.triton import twins
 BACKENDS = ("reference", "torch", "triton")
 
 __all__ = ["BACKENDS", "get_backend", "triton_available", "paged_mc_decode_linear",
-           "ssc_router", "chunk_linear_prefill", "fused_linear_decode", "mc_linear"]
+           "ssc_router", "chunk_linear_prefill", "fused_linear_decode", "fused_decode_pays",
+           "mc_linear"]
 
 
 @lru_cache(maxsize=1)
@@ -151,6 +152,18 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
     else:
         fn = twins.chunk_linear_prefill_reference
     return fn(q, k, v, log_a, b, initial_state, **kw)
+
+
+def fused_decode_pays(B: int, H: int, V: int, N: int, variant: str) -> bool:
+    """Whether the fused decode kernel suits a step (shapes only, no data read): its cached
+    readout walks a row's N blocks in one program per (row, head), so with few programs and
+    many blocks to read (the case ``paged_mc_decode_linear`` splits over N) the unfused step
+    with the split readout is faster."""
+    if variant not in ("grm", "soup"):  # none / fixed weights read one state, ssc top_k blocks
+        return True
+    from mcserve.kernels.triton import split
+
+    return not split.use_split(B, H, V, N, variant)
 
 
 def fused_linear_decode(x: Tensor, z: Tensor | None, S: Tensor, *, backend: str | None = None,

@@ -317,7 +317,9 @@ class Mamba2Mixer(ConvSSMMixer):
         mc = self.memory.cfg
         if (x.shape[1] != 1 or not pl.inplace or pl.conv is None or pl.fetch is not None
                 or mc.log_segmented or torch.is_grad_enabled()
-                or dispatch.get_backend(x) != "triton"):
+                or dispatch.get_backend(x) != "triton"
+                or (mc.caches_blocks and not dispatch.fused_decode_pays(
+                    x.shape[0], self.H, self.P, pl.table.shape[-1], mc.variant))):
             return None
         cfg, H, N, G = self.cfg, self.H, self.N, self.G
         DI = cfg.d_inner

@@ -254,7 +254,9 @@ class MCMixer(nn.Module):
         mc = self.memory.cfg
         if (self.cfg.memory != "linear" or x.shape[1] != 1 or not pl.inplace
                 or pl.fetch is not None or mc.log_segmented or torch.is_grad_enabled()
-                or dispatch.get_backend(x) != "triton"):
+                or dispatch.get_backend(x) != "triton"
+                or (mc.caches_blocks and not dispatch.fused_decode_pays(
+                    x.shape[0], self.H, self.K, pl.table.shape[-1], mc.variant))):
             return None
         B, H, K = x.shape[0], self.H, self.K
         HK = H * K
