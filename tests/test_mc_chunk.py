@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -151,3 +153,26 @@ def test_chunk_rejects_bad_arguments():
                         **{**st, "initial_fill": 4})
     with pytest.raises(ValueError, match="top_k"):
         mc_linear_chunk(q, k, v, u, log_a, b, mc=MCConfig(segment_len=4), top_k=0, **st)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 5])
+def test_select_partial_equals_the_stable_sort(top_k):
+    """``_select`` (topk, then the stable sort only where a finite score ties at a row's
+    threshold) picks what the stable sort picks: the same finite checkpoints, ties to the later
+    one; among -inf scores any pick will do (zero weight)."""
+    gen = torch.Generator().manual_seed(top_k)
+    for scale in (0.0, 1e6):  # integer scores (many ties), then almost surely none
+        r = torch.randint(0, 4, (2, 19, 3, 11), generator=gen).double()
+        r = r + scale * torch.rand(r.shape, generator=gen, dtype=torch.float64)
+        r[:, :7, :, 6:] = float("-inf")  # early tokens see 6 checkpoints
+        got = mc_chunk._select(r, top_k)
+        want = mc_chunk._select_stable(r, top_k)
+        assert got.shape == want.shape == (2, 19, 3, top_k)
+        scores = r.reshape(-1, 11).tolist()
+
+        def finite(idx, scores=scores):
+            return [sorted(i for i in row if math.isfinite(s[i]))
+                    for row, s in zip(idx.reshape(-1, top_k).tolist(), scores)]
+
+        assert finite(got) == finite(want)
+        assert torch.equal(r.gather(-1, got).sort(-1).values, r.gather(-1, want).sort(-1).values)

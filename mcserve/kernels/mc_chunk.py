@@ -80,16 +80,31 @@ def _check(q: Tensor, k: Tensor, v: Tensor, u: Tensor, initial_state: Tensor,
 
 
 def _select(r: Tensor, top_k: int) -> Tensor:
-    """Indices of the top_k scores along dim 2 of ``r`` (B, L, N, H), ties to the later one."""
-    N = r.shape[2]
-    rr = r.flip(2).transpose(2, 3).contiguous()  # (B, L, H, N), most recent first
-    order = torch.sort(rr, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    return N - 1 - order.transpose(2, 3)
+    """Indices of the top_k scores along the last dim of ``r`` (B, L, H, N), ties to the later
+    one; ``(B, L, H, top_k)``.
+
+    A partial selection (``topk``), several times cheaper than sorting every row; its choice
+    among equal scores is unspecified, so where a finite score ties at a row's threshold the
+    stable sort decides (``_select_stable``). Ties among -inf scores (checkpoints a token cannot
+    see) need no rule: whichever is picked gets weight zero."""
+    vals, idx = torch.topk(r, top_k, dim=-1, sorted=False)
+    thresh = vals.amin(-1, keepdim=True)
+    tied = ((r >= thresh).sum(-1, keepdim=True) > top_k) & (thresh > float("-inf"))
+    if bool(tied.any()):
+        return _select_stable(r, top_k)
+    return idx
+
+
+def _select_stable(r: Tensor, top_k: int) -> Tensor:
+    """``_select`` by a stable sort of whole rows: exact tie rule, the later checkpoint wins."""
+    N = r.shape[-1]
+    order = torch.sort(r.flip(-1), dim=-1, descending=True, stable=True).indices[..., :top_k]
+    return N - 1 - order
 
 
 def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int
                     ) -> Tensor:
-    """Σ_n w[:, t, n] S_nᵀ q_t. S ``(B, N, H, K, V)``, q ``(B, L, H, K)``, w ``(B, L, N, H)``
+    """Σ_n w[:, t, :, n] S_nᵀ q_t. S ``(B, N, H, K, V)``, q ``(B, L, H, K)``, w ``(B, L, H, N)``
     where token t (of the padded, segment-aligned span) sees checkpoints n < n_carried +
     t // segment_len.
 
@@ -102,7 +117,7 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
     N, V = S.shape[1], S.shape[-1]
     Sk = S.permute(0, 2, 3, 1, 4).contiguous()  # (B, H, K, N, V)
     qh = q.transpose(1, 2)  # (B, H, L, K)
-    wh = w.permute(0, 3, 1, 2)  # (B, H, L, N)
+    wh = w.transpose(1, 2)  # (B, H, L, N)
     out = q.new_zeros(B, H, L, V)
     tile, block = _TOKEN_TILE, _READ_BLOCK
     if _big_tiles(q):  # (B, H, tile, block, V) reads per GEMM within the byte budget
@@ -124,21 +139,21 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
 
 
 def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-    """Σ_j w[:, t, j] S_{idx[:, t, j]}ᵀ q_t per head, reading only the picked checkpoints.
+    """Σ_j w[:, t, :, j] S_{idx[:, t, :, j]}ᵀ q_t per head, reading only the picked checkpoints.
 
-    S ``(B, N, H, K, V)`` contiguous, q ``(B, L, H, K)``, idx ``(B, L, k, H)`` checkpoint
-    indices, w ``(B, L, k, H)`` their weights. One embedding bag per (row, token, head) sums the
+    S ``(B, N, H, K, V)`` contiguous, q ``(B, L, H, K)``, idx ``(B, L, H, k)`` checkpoint
+    indices, w ``(B, L, H, k)`` their weights. One embedding bag per (row, token, head) sums the
     rows S[b, idx, h, :, :] weighted by w·q, so no (L, k, K, V) gather is materialised.
     """
     B, N, H, K, V = S.shape
-    L, k = q.shape[1], idx.shape[2]
+    L, k = q.shape[1], idx.shape[-1]
     b = torch.arange(B, device=q.device)[:, None, None, None]
-    h = torch.arange(H, device=q.device)[None, None, None, :]
-    base = ((b * N + idx) * H + h) * K  # (B, L, k, H) first row of each picked state
-    rows = base[..., None] + torch.arange(K, device=q.device)  # (B, L, k, H, K)
-    rows = rows.permute(0, 1, 3, 2, 4).reshape(B * L * H, k * K)
-    wts = (w.permute(0, 1, 3, 2)[..., None] * q[:, :, :, None, :])  # (B, L, H, k, K)
-    y = torch.nn.functional.embedding_bag(rows, S.reshape(-1, V), mode="sum",
+    h = torch.arange(H, device=q.device)[None, None, :, None]
+    base = ((b * N + idx) * H + h) * K  # (B, L, H, k) first row of each picked state
+    rows = base[..., None] + torch.arange(K, device=q.device)  # (B, L, H, k, K)
+    wts = w[..., None] * q[:, :, :, None, :]  # (B, L, H, k, K)
+    y = torch.nn.functional.embedding_bag(rows.reshape(B * L * H, k * K), S.reshape(-1, V),
+                                          mode="sum",
                                           per_sample_weights=wts.reshape(B * L * H, k * K))
     return y.view(B, L, H, V)
 
@@ -246,25 +261,25 @@ def mc_linear_chunk(
         ck = torch.cat([cached_ksum, seg_ksum[:, :G - 1]], 1)  # (B, N, H, K)
         Sc = torch.cat([cached, S_end[:, :G - 1]], 1)  # (B, N, H, K, V)
         N = N0 + G - 1
-        r_c = torch.einsum("bgchk,bnhk->bgcnh", uf, ck) / (C * math.sqrt(K))  # (B, G, C, N, H)
+        r_c = torch.einsum("bgchk,bnhk->bgchn", uf, ck) / (C * math.sqrt(K))  # (B, G, C, H, N)
         seg = torch.arange(G, device=q.device)
         visible = torch.arange(N, device=q.device)[None, :] < (N0 + seg)[:, None]  # (G, N)
-        r_c = r_c.masked_fill(~visible[None, :, None, :, None], float("-inf"))
-        r_c = r_c.reshape(B, G * C, N, H)
+        r_c = r_c.masked_fill(~visible[None, :, None, None, :], float("-inf"))
+        r_c = r_c.reshape(B, G * C, H, N)  # checkpoints last: the selection and softmax dim
         r_on = r_on.reshape(B, G * C, H)
         picks = None
         if mc.selects and N > top_k:
-            idx = _select(r_c, top_k)  # (B, L, top_k, H)
-            gamma = torch.softmax(torch.cat([r_c.gather(2, idx), r_on[:, :, None]], 2), 2)
+            idx = _select(r_c, top_k)  # (B, L, H, top_k)
+            gamma = torch.softmax(torch.cat([r_c.gather(-1, idx), r_on[..., None]], -1), -1)
             if N >= SPARSE_FACTOR * top_k and not (torch.is_grad_enabled() and q.requires_grad):
-                picks = (idx, gamma[:, :, :-1])
+                picks = (idx, gamma[..., :-1])
                 w_c = None
             else:
-                w_c = torch.zeros_like(r_c).scatter(2, idx, gamma[:, :, :-1])
+                w_c = torch.zeros_like(r_c).scatter(-1, idx, gamma[..., :-1])
         else:
-            gamma = torch.softmax(torch.cat([r_c, r_on[:, :, None]], 2), 2)
-            w_c = gamma[:, :, :-1]
-        w_on = gamma[:, :, -1]  # (B, L, H)
+            gamma = torch.softmax(torch.cat([r_c, r_on[..., None]], -1), -1)
+            w_c = gamma[..., :-1]
+        w_on = gamma[..., -1]  # (B, L, H)
         y = o.reshape(B, G * C, H, V) * w_on[..., None]
         if picks is not None:
             y = y + _readout_picks(Sc.contiguous(), qf.reshape(B, G * C, H, K), *picks)
