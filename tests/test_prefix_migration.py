@@ -155,3 +155,23 @@ def test_per_request_top_k_salts_the_exported_prefix():
     while b.has_unfinished_requests():
         b.step()
     assert b.cache.prefix_hits == 8
+
+
+def test_requests_sharing_a_new_prefix_compute_it_once():
+    """Requests arriving together with the same uncached prefix (a shared system prompt): the
+    first computes it, the others wait for its blocks and compute only their own tails; the
+    outputs are those of separate engines."""
+    eng = make_engine(max_num_batched_tokens=128)
+    system = prompt(41)  # 10 whole segments
+    turns = [system + prompt(9, seed=10 + i) for i in range(3)]
+    for i, ids in enumerate(turns):
+        eng.add_request(f"r{i}", None, GREEDY, prompt_token_ids=ids)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert [outs[f"r{i}"].num_cached_tokens for i in range(3)] == [0, 40, 40]
+    assert eng.cache.prefix_hits == 20
+    for i, ids in enumerate(turns):
+        assert outs[f"r{i}"].outputs[0].token_ids == generate(make_engine(), ids)

@@ -41,6 +41,7 @@ from mcserve.server.ray_app import (  # noqa: E402
     REPLICA_HEADER,
     DeploymentFailed,
     RayServeOptions,
+    _export_when_computed,
     app_builder,
     build_serve_app,
     deploy,
@@ -159,6 +160,28 @@ def test_merge_metrics_labels_every_sample():
     assert 'mcserve:num_requests_running{replica="r2"} 5.0' in out
     assert out.count("# TYPE mcserve:num_requests_running gauge") == 1
     assert "other" not in out
+
+
+def test_an_export_waits_for_the_running_prefill_of_its_prefix():
+    """A holder asked for a prefix that its running prefill has half computed answers after
+    that prefill, with every block, rather than with half (the asker would recompute the
+    rest); a prefix that nobody computes is exported at once, as it is."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, head_dim=16,
+                      segment_len=SEG, mc_top_k=1, inner_chunk=4, memory_expansion=2)
+    eng = LLMEngine(EngineConfig(**{**ENGINE, "max_num_batched_tokens": 2 * SEG}),
+                    model=MCForCausalLM(cfg).double())
+    ids = list(range(1, 6 * SEG + 3))
+    hashes = eng.prefix_hashes(ids)
+    eng.add_request("r", None, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                    prompt_token_ids=ids)
+    eng.step()  # two of its six segments
+    assert 0 < eng.cached_prefix_blocks(hashes) < len(hashes)
+    assert _export_when_computed(eng, hashes) is None
+    assert _export_when_computed(eng, eng.prefix_hashes([7] * 3 * SEG)).num_blocks == 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert _export_when_computed(eng, hashes).num_blocks == len(hashes)
 
 
 # ------------------------------------------------------------------------------- cluster

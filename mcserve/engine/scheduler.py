@@ -139,6 +139,25 @@ class Scheduler:
         ids, C = seq.all_ids, self.mc.segment_len
         return chain_hashes(ids, C, seq.salt, (len(ids) - 1) // C)
 
+    def _being_computed(self, seq: Sequence, hashes: list[bytes]) -> bool:
+        """Whether the first segment of ``hashes`` that is not cached is being computed by a
+        running prefill of another request (same tokens up to that segment's end, same salt):
+        then ``seq`` waits for the block instead of computing the same segments alongside
+        (requests sharing a new long prefix that arrive together compute it once)."""
+        n = self.cache.cached_prefix(hashes)
+        if n >= len(hashes):
+            return False
+        end = (n + 1) * self.mc.segment_len
+        ids = None
+        for s in self.running:
+            if (s.request_id != seq.request_id and s.salt == seq.salt and s.is_prefill
+                    and s.num_computed_tokens < end <= s.num_tokens):
+                if ids is None:
+                    ids = seq.all_ids[:end]
+                if s.all_ids[:end] == ids:
+                    return True
+        return False
+
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Admit a swapped-out sequence; returns the tokens scheduled (0: it must wait)."""
         n = self._chunk(seq, budget)
@@ -192,10 +211,12 @@ class Scheduler:
                     break
                 budget -= n
                 continue
+            hashes = self.prefix_hashes(seq)
+            if self._being_computed(seq, hashes):
+                break  # its next segment completes in a running prefill: reuse it next step
             slot = self.cache.allocate_slot()
             if slot is None:
                 break
-            hashes = self.prefix_hashes(seq)
             hits = self.cache.lookup(hashes)
             seq.slot, seq.block_table = slot, hits
             seq.block_hashes = hashes[:len(hits)]

@@ -96,6 +96,9 @@ REPLICA_HEADER = "x-mcserve-replica"
 MIGRATION_TIMEOUT_S = 30.0
 # bound on how long an engine-thread call may wait (a dead engine thread never answers)
 ENGINE_CALL_TIMEOUT_S = 60.0
+# how long a holder asked for a prefix that one of its running prefills is computing waits for
+# it before exporting what it has (below MIGRATION_TIMEOUT_S: the asker must get an answer)
+EXPORT_WAIT_S = 10.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +219,22 @@ def _cached_hashes(engine: Any) -> list[bytes]:
     return out
 
 
+def _export_when_computed(engine: Any, hashes: list[bytes]) -> Any:
+    """``engine.export_prefix(hashes=hashes)``, or None while a running prefill is computing
+    the first block of ``hashes`` that is not cached yet: the export then waits for it instead
+    of sending less and having the asker recompute the rest (run on the engine thread, between
+    steps: asked again, it runs after the next step)."""
+    n = engine.cache.cached_prefix(hashes)
+    if n < len(hashes):
+        C = engine.mc.segment_len
+        for s in engine.scheduler.running:
+            if (s.is_prefill and len(s.block_hashes) <= n <= s.num_tokens // C - 1
+                    and chain_hashes(s.all_ids, C, s.salt, n + 1, s.block_hashes)[-1]
+                    == hashes[n]):
+                return None
+    return engine.export_prefix(hashes=hashes)
+
+
 def _error_item(e: BaseException) -> dict[str, Any]:
     """An engine-side error as data, so the ingress maps it to the single server's answer
     (Ray would otherwise wrap it in its own exception types)."""
@@ -296,6 +315,9 @@ class MCServeEngine:
         self._peers: Any = None
         # prefix fetches in flight, by (holder, last hash): concurrent requests share one
         self._fetches: dict[tuple[str, bytes], asyncio.Future[dict[str, Any]]] = {}
+        # prefix hashes of the requests in flight here (export_prefix: could one be computing
+        # what another replica asks for?)
+        self._inflight_hashes: dict[bytes, int] = {}
         logger.info("replica %s: %s", self.name, self.llm.describe())
 
     def _peer_handle(self) -> Any:
@@ -354,12 +376,23 @@ class MCServeEngine:
         if req.get("to") not in (None, self.name):
             return {"replica": self.name, "blocks": 0}
         hashes = list(req.get("hashes") or [])
-        # nothing of it cached here (still being prefilled, or evicted): say so at once rather
-        # than after the engine thread's current step, which may be a long prefill (the caller
-        # recomputes meanwhile). Read from the event loop, as ``_migrate`` reads its own index
-        if not self.llm.cached_prefix_blocks(hashes):
+        # read from the event loop, as ``_migrate`` reads its own index: nothing of it cached
+        # here, and no request here that could be computing it (evicted, or a stale guess of
+        # the router): say so at once rather than after the engine thread's current step
+        n = self.llm.cached_prefix_blocks(hashes)
+        computing = n < len(hashes) and self._inflight_hashes.get(hashes[n], 0) > 0
+        if not n and not computing:
             return {"replica": self.name, "blocks": 0}
-        export = await self.aengine.call(lambda e: e.export_prefix(hashes=hashes))
+        # a request here is prefilling the rest (the first turns of a new shared prompt, sent
+        # to both replicas at once): wait for its blocks, step by step, and send them all; it
+        # started before the asker could, so it finishes first
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        export = None
+        while export is None:
+            if not computing or time.monotonic() > deadline:
+                export = await self.aengine.call(lambda e: e.export_prefix(hashes=hashes))
+            else:
+                export = await self.aengine.call(lambda e: _export_when_computed(e, hashes))
         if not export.num_blocks:
             return {"replica": self.name, "blocks": 0}
         self.migration.exported_blocks.inc(export.num_blocks)
@@ -420,6 +453,23 @@ class MCServeEngine:
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
         """Stream one request: first ``{"accepted": ...}`` (or an error item), then the
         engine's cumulative ``RequestOutput``s, or an error item if it fails on the way."""
+        hashes = list(req.get("hashes") or [])
+        for h in hashes:
+            self._inflight_hashes[h] = self._inflight_hashes.get(h, 0) + 1
+        gen = self._generate(req)
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()  # its own finally (the abort) runs now, not when collected
+            for h in hashes:
+                left = self._inflight_hashes.get(h, 0) - 1
+                if left > 0:
+                    self._inflight_hashes[h] = left
+                else:
+                    self._inflight_hashes.pop(h, None)
+
+    async def _generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
         rid = req["request_id"]
         ids = req.get("prompt_token_ids")
         migration = None
