@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from mcserve.config import MCConfig, ModelConfig
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.importing import causal_conv
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 from mcserve.models.packed_linear import is_packed
@@ -188,11 +189,7 @@ class MCMixer(nn.Module):
             conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
             # depthwise causal conv as w shifted multiply-adds: torch's grouped conv1d is
             # orders of magnitude slower on CPU for these shapes (and in float64)
-            w = self.conv.weight[:, 0]  # (C, w)
-            out = full[:, :T] * w[:, 0]
-            for j in range(1, w.shape[1]):
-                out = out + full[:, j:j + T] * w[:, j]
-            qkv = F.silu(out)
+            qkv = F.silu(causal_conv(full, self.conv.weight[:, 0], T))
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)
