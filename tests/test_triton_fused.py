@@ -380,6 +380,29 @@ def test_fused_twin_is_the_mamba2_mixer_step(variant, G):
         assert _rel(ks2, pl.seg_ksum) < 1e-12
 
 
+def _fused_step_matches_torch(monkeypatch, m, x, layer, variant):
+    """``m.forward_paged`` on the kernel backend (one fused call) against the torch backend
+    (the unfused path, no fused call): output and in-place updates, each on its own copy of
+    the layer state ``layer()``."""
+    calls = []
+    real = dispatch.fused_linear_decode
+    monkeypatch.setattr(dispatch, "fused_linear_decode",
+                        lambda *a, **kw: calls.append(kw["variant"]) or real(*a, **kw))
+    a, b = layer(), layer()
+    with torch.no_grad():
+        monkeypatch.setenv("MCSERVE_KERNELS", "torch")
+        want = m.forward_paged(x, b)
+        assert not calls  # the torch backend keeps the unfused path
+        monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+        got = m.forward_paged(x, a)
+    assert calls == [variant]
+    tol = TOL[torch.float64] * (1000 if DEV.type == "cuda" else 1)  # see _run_fused
+    assert _rel(got, want) < tol
+    assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
+    if variant != "none":
+        assert _rel(a.seg_ksum, b.seg_ksum) < tol
+
+
 @needs_triton
 @pytest.mark.parametrize("variant,G", [("grm", 1), ("ssc", 2), ("none", 2), ("post", 1)])
 def test_mamba2_decode_takes_the_fused_kernel(monkeypatch, variant, G):
@@ -410,23 +433,7 @@ def test_mamba2_decode_takes_the_fused_kernel(monkeypatch, variant, G):
         pl.csum = {"S": _d(pl.csum["S"])} if pl.csum else None
         return pl
 
-    calls = []
-    real = dispatch.fused_linear_decode
-    monkeypatch.setattr(dispatch, "fused_linear_decode",
-                        lambda *a, **kw: calls.append(kw["variant"]) or real(*a, **kw))
-    a, b = layer(), layer()
-    with torch.no_grad():
-        monkeypatch.setenv("MCSERVE_KERNELS", "torch")
-        want = m.forward_paged(x, b)
-        assert not calls  # the torch backend keeps the unfused path
-        monkeypatch.setenv("MCSERVE_KERNELS", "triton")
-        got = m.forward_paged(x, a)
-    assert calls == [variant]
-    tol = TOL[torch.float64] * (1000 if DEV.type == "cuda" else 1)  # see _run_fused
-    assert _rel(got, want) < tol
-    assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
-    if variant != "none":
-        assert _rel(a.seg_ksum, b.seg_ksum) < tol
+    _fused_step_matches_torch(monkeypatch, m, x, layer, variant)
 
 
 @needs_triton
@@ -457,23 +464,7 @@ def test_native_decode_takes_the_fused_kernel(monkeypatch, variant):
         pl.csum = {"S": _d(csum.clone())} if variant == "post" else None
         return pl
 
-    calls = []
-    real = dispatch.fused_linear_decode
-    monkeypatch.setattr(dispatch, "fused_linear_decode",
-                        lambda *a, **kw: calls.append(kw["variant"]) or real(*a, **kw))
-    a, b = layer(), layer()
-    with torch.no_grad():
-        monkeypatch.setenv("MCSERVE_KERNELS", "torch")
-        want = m.forward_paged(x, b)
-        assert not calls
-        monkeypatch.setenv("MCSERVE_KERNELS", "triton")
-        got = m.forward_paged(x, a)
-    assert calls == [variant]
-    tol = TOL[torch.float64] * (1000 if DEV.type == "cuda" else 1)  # see _run_fused
-    assert _rel(got, want) < tol
-    assert _rel(a.mem["S"], b.mem["S"]) < tol and _rel(a.conv, b.conv) < tol
-    if variant != "none":
-        assert _rel(a.seg_ksum, b.seg_ksum) < tol
+    _fused_step_matches_torch(monkeypatch, m, x, layer, variant)
 
 
 @pytest.mark.parametrize("variant", ["grm", "ssc", "post"])

@@ -314,20 +314,12 @@ class Mamba2Mixer(ConvSSMMixer):
         constant segments, no autograd. ``None`` otherwise: the unfused path, its twin."""
         from mcserve.kernels import dispatch
 
-        mc = self.memory.cfg
-        if (x.shape[1] != 1 or not pl.inplace or pl.conv is None or pl.fetch is not None
-                or mc.log_segmented or torch.is_grad_enabled()
-                or dispatch.get_backend(x) != "triton"
-                or (mc.caches_blocks and not dispatch.fused_decode_pays(
-                    x.shape[0], self.H, self.P, pl.table.shape[-1], mc.variant))):
+        mc_kw = None if pl.conv is None else self.memory.fused_decode_kwargs(x, pl, self.P)
+        if mc_kw is None:
             return None
         cfg, H, N, G = self.cfg, self.H, self.N, self.G
         DI = cfg.d_inner
         z, xbc, dt = self.in_proj(x[:, 0]).split([DI, cfg.conv_dim, H], dim=-1)
-        top_k = mc.top_k
-        if mc.selects and pl.top_k is not None:  # the largest pick is the compile-time count
-            top_k = pl.top_k_range[1] if pl.top_k_range is not None else int(pl.top_k.max())
-        routed = mc.caches_blocks and not self.memory.collapsed
         lo, hi = cfg.time_step_limit
         y = dispatch.fused_linear_decode(
             xbc, z, pl.mem["S"], v_offset=0, k_offset=DI, q_offset=DI + G * N, qk_heads=H // G,
@@ -336,15 +328,7 @@ class Mamba2Mixer(ConvSSMMixer):
             dt_max=hi, dt_scale=self.delta_scale, D=self.D,
             norm_weight=self.norm.weight if self.norm is not None else None,
             norm_group=DI // G, norm_eps=self.norm.eps if self.norm is not None else 1e-6,
-            norm_before_gate=cfg.norm_before_gate, variant=mc.variant,
-            segment_len=mc.segment_len, top_k=top_k,
-            seg_ksum=pl.seg_ksum if mc.segmented else None,
-            seg_len=pl.seg_len if mc.segmented else None,
-            n_seg=pl.n_seg if mc.segmented else None,
-            table=pl.table if routed else None, pool_S=pl.pool["S"] if routed else None,
-            ksum_pool=pl.ksum_pool if routed else None,
-            csum=pl.csum["S"] if self.memory.collapsed and pl.csum else None,
-            row_top_k=pl.top_k if mc.selects else None)
+            norm_before_gate=cfg.norm_before_gate, **mc_kw)
         return self.out_proj(y.to(self.out_proj.weight.dtype))[:, None]
 
     # ------------------------------------------------------------------ pieces

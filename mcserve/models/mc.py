@@ -434,6 +434,35 @@ class MCMemory:
                 y = y + self.family.readout_mix(self._gather_blocks_by_id(pl.pool, ids), q, w_c)
         return y
 
+    def fused_decode_kwargs(self, x: Tensor, pl: PagedLayer, v_dim: int) -> dict | None:
+        """The MC arguments of ``dispatch.fused_linear_decode`` for a decode step of ``x``
+        ``(B, 1, ·)`` over ``pl`` (heads of ``v_dim`` values), or None where the step does not
+        fit the fused kernel: no kernel backend (CPU tensors without ``MCSERVE_KERNELS=triton``),
+        not one token per row, states not writable in place, host-tier blocks, logarithmic
+        segments, autograd, or few programs reading many blocks (``dispatch.fused_decode_pays``).
+        A mixer then takes its unfused path, which is the fused call's twin."""
+        from mcserve.kernels import dispatch
+
+        cfg = self.cfg
+        if (x.shape[1] != 1 or not pl.inplace or pl.fetch is not None or cfg.log_segmented
+                or torch.is_grad_enabled() or dispatch.get_backend(x) != "triton"
+                or (cfg.caches_blocks and not dispatch.fused_decode_pays(
+                    x.shape[0], pl.seg_ksum.shape[1], v_dim, pl.table.shape[-1],
+                    cfg.variant))):
+            return None
+        top_k = cfg.top_k
+        if cfg.selects and pl.top_k is not None:  # the largest pick is the compile-time count
+            top_k = pl.top_k_range[1] if pl.top_k_range is not None else int(pl.top_k.max())
+        routed = cfg.caches_blocks and not self.collapsed
+        seg = cfg.segmented
+        return dict(
+            variant=cfg.variant, segment_len=cfg.segment_len, top_k=top_k,
+            seg_ksum=pl.seg_ksum if seg else None, seg_len=pl.seg_len if seg else None,
+            n_seg=pl.n_seg if seg else None, table=pl.table if routed else None,
+            pool_S=pl.pool["S"] if routed else None, ksum_pool=pl.ksum_pool if routed else None,
+            csum=pl.csum["S"] if self.collapsed and pl.csum else None,
+            row_top_k=pl.top_k if cfg.selects else None)
+
     def decode_paged_kernels(self, pl: PagedLayer, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
                              gates: dict[str, Tensor], backend: str | None = None) -> Tensor:
         """``decode_paged`` for a matrix memory (``linear``/``swla``) with a routing variant,

@@ -248,12 +248,9 @@ class MCMixer(nn.Module):
         constant segments, no autograd. ``None`` otherwise: the unfused path, its twin."""
         from mcserve.kernels import dispatch
 
-        mc = self.memory.cfg
-        if (self.cfg.memory != "linear" or x.shape[1] != 1 or not pl.inplace
-                or pl.fetch is not None or mc.log_segmented or torch.is_grad_enabled()
-                or dispatch.get_backend(x) != "triton"
-                or (mc.caches_blocks and not dispatch.fused_decode_pays(
-                    x.shape[0], self.H, self.K, pl.table.shape[-1], mc.variant))):
+        mc_kw = (self.memory.fused_decode_kwargs(x, pl, self.K) if self.cfg.memory == "linear"
+                 else None)
+        if mc_kw is None:
             return None
         B, H, K = x.shape[0], self.H, self.K
         HK = H * K
@@ -263,24 +260,13 @@ class MCMixer(nn.Module):
         qkv, *u, g, raw = F.linear(x[:, 0], w, bias).split(
             [3 * HK] + [HK] * has_u + [HK, n_gates], dim=-1)
         gate = {name: raw[:, i * H:(i + 1) * H] for i, name in enumerate(self.gate_names)}
-        top_k = mc.top_k
-        if mc.selects and pl.top_k is not None:  # the largest pick is the compile-time count
-            top_k = pl.top_k_range[1] if pl.top_k_range is not None else int(pl.top_k.max())
-        routed = mc.caches_blocks and not self.memory.collapsed
         y = dispatch.fused_linear_decode(
             qkv, g, pl.mem["S"], q_offset=0, k_offset=HK, v_offset=2 * HK,
             conv_tail=pl.conv, conv_weight=None if self.conv is None else self.conv.weight[:, 0],
             normalize_qk=True, u=u[0].view(B, H, K) if has_u else None, gate_mode="sigmoid",
             log_a=gate.get("log_a"), b=gate.get("b"), decay_scale=1 / 8,
             norm_weight=self.out_norm.weight, norm_group=K, norm_eps=self.out_norm.eps,
-            norm_before_gate=True, variant=mc.variant, segment_len=mc.segment_len, top_k=top_k,
-            seg_ksum=pl.seg_ksum if mc.segmented else None,
-            seg_len=pl.seg_len if mc.segmented else None,
-            n_seg=pl.n_seg if mc.segmented else None,
-            table=pl.table if routed else None, pool_S=pl.pool["S"] if routed else None,
-            ksum_pool=pl.ksum_pool if routed else None,
-            csum=pl.csum["S"] if self.memory.collapsed and pl.csum else None,
-            row_top_k=pl.top_k if mc.selects else None)
+            norm_before_gate=True, **mc_kw)
         return self.o_proj(y)[:, None]
 
     def _output(self, x: Tensor, y: Tensor, g: Tensor | None = None) -> Tensor:
