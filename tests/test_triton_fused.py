@@ -317,6 +317,46 @@ def test_fused_decode_matches_twin(cfg):
     _run_fused(_fused_case(50, **cfg))
 
 
+@needs_triton
+@pytest.mark.parametrize("cfg", [FUSED[0], FUSED[4], FUSED[7]])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_decode_reads_the_pool_through_state_rows(cfg, backend):
+    # state_rows: the state, conv tail, key sum (and summed state) read and updated in place at
+    # rows of larger pools, as the engine's slot pool holds them; the same y and updates as the
+    # batch-shaped call, and the pool's other rows untouched
+    x, z, S, kw = _fused_case(60, **cfg)
+    B = x.shape[0]
+    rows = torch.tensor([5, 0, 3, 1][:B])
+    P = 7
+    g = torch.Generator().manual_seed(61)
+
+    def pool_of(t):
+        p = _d(torch.randn((P,) + t.shape[1:], generator=g, dtype=t.dtype))
+        p[_d(rows)] = t
+        return p
+
+    names = [n for n in ("conv_tail", "seg_ksum", "csum") if kw.get(n) is not None]
+    pools = {"S": pool_of(S), **{n: pool_of(kw[n]) for n in names}}
+    before = {n: t.clone() for n, t in pools.items()}
+    kw_b = {n: (t.clone() if n in ("conv_tail", "seg_ksum") and t is not None else t)
+            for n, t in kw.items()}
+    S_b = S.clone()
+    want = dispatch.fused_linear_decode(x, z, S_b, backend="torch", **kw_b)
+    kw_a = dict(kw, **{n: pools[n] for n in names})
+    got = dispatch.fused_linear_decode(x, z, pools["S"], backend=backend,
+                                       state_rows=_d(rows), **kw_a)
+    tol = TOL[x.dtype] * (1000 if DEV.type == "cuda" and x.dtype == torch.float64 else 1)
+    assert _rel(got, want) < tol
+    r = _d(rows)
+    assert _rel(pools["S"][r], S_b) < tol
+    for n in names:
+        if n != "csum":  # read only
+            assert _rel(pools[n][r], kw_b[n]) < tol, n
+    rest = _d(torch.tensor([i for i in range(P) if i not in rows.tolist()]))
+    for n, t in pools.items():
+        assert torch.equal(t[rest], before[n][rest]), n
+
+
 # ------------------------------------------------------------------------------ twin == mixers
 
 
@@ -530,16 +570,21 @@ def test_engine_decode_through_the_fused_kernel(monkeypatch, name, static):
     want = sd.run(sd.engine(sd.MODELS[name]().to(DEV), static, **kw), ps)
     calls = []
     real = dispatch.fused_linear_decode
-    monkeypatch.setattr(dispatch, "fused_linear_decode",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(dispatch, "fused_linear_decode", lambda *a, **k: calls.append(
+        (a[0].shape[0], k.get("state_rows") is not None)) or real(*a, **k))
     monkeypatch.setenv("MCSERVE_KERNELS", "triton")
     got = sd.run(sd.engine(sd.MODELS[name]().to(DEV), static, **kw), ps)
     assert got == want
-    assert calls and (not static or min(calls) >= 3)  # static: padded to a bucket of >= 3 rows
+    assert calls
+    if static:  # padded to a bucket of >= 3 rows, states read in the slot pool through rows
+        assert min(n for n, _ in calls) >= 3 and all(r for _, r in calls)
+    else:  # the ragged step's rows are views of the pool (or copies): no row index
+        assert not any(r for _, r in calls)
 
 
 @needs_triton
-def test_fused_decode_pays_and_the_wide_table_fallback(monkeypatch):
+@pytest.mark.parametrize("static", [False, True], ids=["ragged", "static"])
+def test_fused_decode_pays_and_the_wide_table_fallback(monkeypatch, static):
     # few (row, head) programs and many blocks: grm/soup keep the unfused step (its readout is
     # split over N); ssc, none and the fixed-weight variants always fuse
     assert not dispatch.fused_decode_pays(1, 4, 64, 512, "grm")
@@ -553,7 +598,8 @@ def test_fused_decode_pays_and_the_wide_table_fallback(monkeypatch):
     monkeypatch.setattr(dispatch, "fused_linear_decode", lambda *a, **k: calls.append(1))
     monkeypatch.setenv("MCSERVE_KERNELS", "torch")
     kw = dict(device=DEV.type, enforce_eager=DEV.type == "cuda")
-    want = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), False, **kw), sd.prompts(2))
+    want = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), static, **kw), sd.prompts(2))
     monkeypatch.setenv("MCSERVE_KERNELS", "triton")
-    got = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), False, **kw), sd.prompts(2))
+    # static: the layers get the slot pools and a row index, and gather their rows themselves
+    got = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), static, **kw), sd.prompts(2))
     assert got == want and not calls

@@ -481,18 +481,36 @@ class ModelRunner:
         table = self._static_in[5 * B:5 * B + B * N].view(B, N)
         tokens, idx, seg_len, n_seg = head[0][:, None], head[1], head[2], head[3]
         top_k = head[4] if top_k_range is not None else None
+        # a model whose fused decode reads the slot pools through a row index gets the pools
+        # and the rows: no gather into the padded batch, no scatter back (a layer that cannot
+        # take the fused call gathers its rows itself, PagedLayer.gathered)
+        rows = self._reads_state_rows()
         layers = []
         for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
                                               strict=True)):
-            got = {n: t.index_select(0, idx) for n, t in sl.items()}  # (B, ...) copies
-            layers.append(self._paged_layer(li, mc, got, bl, seg_len, n_seg, table, top_k,
-                                            top_k_range, offloaded))
+            got = sl if rows else {n: t.index_select(0, idx) for n, t in sl.items()}
+            pl = self._paged_layer(li, mc, got, bl, seg_len, n_seg, table, top_k, top_k_range,
+                                   offloaded)
+            pl.rows = idx if rows else None
+            layers.append(pl)
         logits = self.model.forward_paged(tokens, layers)[:, 0]  # (B, V)
-        for sl, pl in zip(self.cache.slot, layers, strict=True):
-            for name, t in self._layer_outputs(pl).items():
-                sl[name].index_copy_(0, idx, t)  # padded rows all land on the scratch slot
+        if not rows:
+            for sl, pl in zip(self.cache.slot, layers, strict=True):
+                for name, t in self._layer_outputs(pl).items():
+                    sl[name].index_copy_(0, idx, t)  # padded rows all land on the scratch slot
         self.cache.clear_slot(self.cache.scratch_slot, self.init_mem)
         return logits
+
+    def _reads_state_rows(self) -> bool:
+        """Whether the static step hands the model its slot pools and a row index instead of
+        gathered rows: the model says its decode reads them (``decode_state_rows``) and the
+        kernel backend is active (the torch path would gather every layer anyway)."""
+        from mcserve.kernels import dispatch
+
+        if not getattr(self.model, "decode_state_rows", False):
+            return False
+        pool = next(iter(self.cache.slot[0].values()))
+        return dispatch.get_backend(pool) == "triton"
 
     def capture_decode_graphs(self) -> bool:
         """Capture the static decode step as CUDA graphs (one per batch and table-width

@@ -304,7 +304,10 @@ class Mamba2Mixer(ConvSSMMixer):
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         y = self._fused_paged(x, pl)
-        return y if y is not None else super().forward_paged(x, pl)
+        if y is not None:
+            return y
+        with pl.gathered() as g:
+            return super().forward_paged(x, g)
 
     def _fused_paged(self, x: Tensor, pl: PagedLayer) -> Tensor | None:
         """The decode step as in_proj, one fused kernel call (conv step, gates, state update,
@@ -431,6 +434,7 @@ class Mamba2Block(MambaBlock):
         m = self.mixer
         S = pl.mem.get("S")
         if (m.memory.cfg.segmented or m.delta_scale != 1.0 or not pl.inplace
+                or pl.rows is not None
                 or torch.is_grad_enabled()
                 or not x.is_cpu or x.dtype != torch.float32 or x.shape[1] != 1
                 or S is None or S.dtype != torch.float32 or S.stride(-1) != 1
@@ -484,6 +488,8 @@ class Mamba2MCForCausalLM(MambaLM):
     :class:`MambaLM` for the state-dict names."""
 
     block_class = Mamba2Block
+    # the decode step reads the engine's slot pools through a row index (PagedLayer.rows)
+    decode_state_rows = True
 
     def with_delta_scale(self, delta_scale: Any) -> Mamba2MCForCausalLM:
         """The same weights with Δ' = s_l·Δ (``delta_scale``: see ``normalize_delta_scale``)."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -235,6 +236,34 @@ class PagedLayer:
     # blocks in place instead of through ``fetch`` (the fused CPU block: both tiers are RAM)
     host_pool: State | None = None
     host_base: int = 0
+    # set: ``mem``, ``conv``, ``seg_ksum`` and ``csum`` are the whole slot pools and row b's
+    # entries are at ``rows[b]`` (the static decode step, no gather into a batch); the fused
+    # decode kernel reads and updates them there, every other path works on ``gathered()``
+    rows: Tensor | None = None
+
+    @contextmanager
+    def gathered(self) -> Iterator[PagedLayer]:
+        """A batch-shaped copy of a row-indexed layer (``rows`` set): its states gathered from
+        the pools, and written back into them when the block exits. The layer itself when
+        ``rows`` is None."""
+        if self.rows is None:
+            yield self
+            return
+        rows = self.rows
+        g = replace(self, mem={k: t[rows] for k, t in self.mem.items()},
+                    conv=None if self.conv is None else self.conv[rows],
+                    seg_ksum=self.seg_ksum[rows],
+                    csum=None if self.csum is None else {k: t[rows] for k, t in self.csum.items()},
+                    rows=None)
+        yield g
+        for k, t in g.mem.items():
+            self.mem[k].index_copy_(0, rows, t)
+        if self.conv is not None:
+            self.conv.index_copy_(0, rows, g.conv)
+        self.seg_ksum.index_copy_(0, rows, g.seg_ksum)
+        if self.csum is not None:
+            for k, t in g.csum.items():
+                self.csum[k].index_copy_(0, rows, t)
 
 
 class MCMemory:
@@ -461,7 +490,7 @@ class MCMemory:
             n_seg=pl.n_seg if seg else None, table=pl.table if routed else None,
             pool_S=pl.pool["S"] if routed else None, ksum_pool=pl.ksum_pool if routed else None,
             csum=pl.csum["S"] if self.collapsed and pl.csum else None,
-            row_top_k=pl.top_k if cfg.selects else None)
+            row_top_k=pl.top_k if cfg.selects else None, state_rows=pl.rows)
 
     def decode_paged_kernels(self, pl: PagedLayer, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
                              gates: dict[str, Tensor], backend: str | None = None) -> Tensor:

@@ -292,11 +292,12 @@ class MCMixer(nn.Module):
         y = self._fused_paged(x, pl)
         if y is not None:
             return y
-        if not torch.is_grad_enabled() and x.is_cpu:
-            q, k, v, u, gates, g = self._project_decode(x, pl)
-            return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates), g)
-        q, k, v, u, gates, pl.conv = self._project(x, pl.conv)
-        return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates))
+        with pl.gathered() as pl:
+            if not torch.is_grad_enabled() and x.is_cpu:
+                q, k, v, u, gates, g = self._project_decode(x, pl)
+                return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates), g)
+            q, k, v, u, gates, pl.conv = self._project(x, pl.conv)
+            return self._output(x, self.memory.decode_paged(pl, q, k, v, u, gates))
 
 
 class SwiGLU(nn.Module):
@@ -372,7 +373,7 @@ class Block(nn.Module):
         Python path, its twin, which fetches host blocks into staging rows)."""
         mixer = self.mixer
         variant = self._fused_variant(mixer.memory.cfg)
-        if variant is None or type(mixer.family) is not LinearMemory:
+        if variant is None or type(mixer.family) is not LinearMemory or pl.rows is not None:
             return None
         host = None
         if pl.fetch is not None:  # host-tier blocks: read in place on the CPU, if the pool is
@@ -450,6 +451,12 @@ class RecurrentLM(nn.Module):
 
 
 class MCForCausalLM(RecurrentLM):
+    @property
+    def decode_state_rows(self) -> bool:
+        """Whether the decode step reads the engine's slot pools through a row index
+        (``PagedLayer.rows``): the gated linear memory's fused decode does."""
+        return self.config.memory == "linear"
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
 from mcserve.kernels.triton.decode import _pow2, _variant_code
-from mcserve.kernels.triton.twins import _head_table, check_fused_args
+from mcserve.kernels.triton.twins import _head_table, check_fused_args, rows_views
 
 _VARIANT = {"none": -1}  # the rest: decode._variant_code (0 ones, 1 1/(n+1), 2 softmax, 3 top-k)
 _GATE = {"given": 0, "sigmoid": 1, "softplus": 2}
@@ -41,7 +41,7 @@ _GATE = {"given": 0, "sigmoid": 1, "softplus": 2}
 def _fused_decode_kernel(
     x_ptr, tail_ptr, cw_ptr, cb_ptr, u_ptr, la_ptr, bw_ptr, dtb_ptr, alog_ptr,
     S_ptr, ks_ptr, slen_ptr, nseg_ptr, tab_ptr, stab_ptr, P_ptr, kp_ptr, cs_ptr, krow_ptr,
-    D_ptr, z_ptr, nw_ptr, y_ptr,
+    D_ptr, z_ptr, nw_ptr, y_ptr, rows_ptr,
     H, K, V, N, C, REP, q_off, k_off, v_off,
     decay_scale, dt_min, dt_max, dt_scale, eps, GS,
     sx_b, st_b, st_w, scw_c, su_b, su_h, sla_b, sla_h, sbw_b, sbw_h,
@@ -52,10 +52,14 @@ def _fused_decode_kernel(
     VARIANT: tl.constexpr, TOP_K: tl.constexpr, HAS_KROW: tl.constexpr, HAS_CSUM: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_CH: tl.constexpr, HAS_Z: tl.constexpr, NORM: tl.constexpr,
     NORM_FIRST: tl.constexpr, NW_FULL: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, F64: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, F64: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if HAS_ROWS:  # row b's state, conv tail, key sum and summed state live at rows[b]
+        srow = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        srow = b
     if F64:
         acc_t = tl.float64
     else:
@@ -77,18 +81,18 @@ def _fused_decode_kernel(
     if W > 0:
         offs_w = tl.arange(0, BW)
         mw = offs_w < W - 1
-        tq = tl.load(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_q[None, :],
+        tq = tl.load(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_q[None, :],
                      mask=mw[:, None] & mk[None, :], other=0.0)  # (BW, BK)
-        tk = tl.load(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_k[None, :],
+        tk = tl.load(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_k[None, :],
                      mask=mw[:, None] & mk[None, :], other=0.0)
-        tv = tl.load(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_v[None, :],
+        tv = tl.load(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_v[None, :],
                      mask=mw[:, None] & mv[None, :], other=0.0)  # (BW, BV)
         # the shifted tails: row r takes row r + 1, the last row takes x
-        nq = tl.load(tail_ptr + b * st_b + (offs_w[:, None] + 1) * st_w + ch_q[None, :],
+        nq = tl.load(tail_ptr + srow * st_b + (offs_w[:, None] + 1) * st_w + ch_q[None, :],
                      mask=(offs_w[:, None] + 1 < W - 1) & mk[None, :], other=0.0)
-        nk = tl.load(tail_ptr + b * st_b + (offs_w[:, None] + 1) * st_w + ch_k[None, :],
+        nk = tl.load(tail_ptr + srow * st_b + (offs_w[:, None] + 1) * st_w + ch_k[None, :],
                      mask=(offs_w[:, None] + 1 < W - 1) & mk[None, :], other=0.0)
-        nv = tl.load(tail_ptr + b * st_b + (offs_w[:, None] + 1) * st_w + ch_v[None, :],
+        nv = tl.load(tail_ptr + srow * st_b + (offs_w[:, None] + 1) * st_w + ch_v[None, :],
                      mask=(offs_w[:, None] + 1 < W - 1) & mv[None, :], other=0.0)
         last = offs_w[:, None] == W - 2
         nq = tl.where(last, xq[None, :].to(nq.dtype), nq)
@@ -151,17 +155,17 @@ def _fused_decode_kernel(
             write = bw
 
     # ---- 4. state update and online readout (stored after the barrier below)
-    s_ptrs = S_ptr + b * sS_b + h * sS_h + offs_k[:, None] * sS_k + offs_v[None, :]
+    s_ptrs = S_ptr + srow * sS_b + h * sS_h + offs_k[:, None] * sS_k + offs_v[None, :]
     S = tl.load(s_ptrs, mask=mkv, other=0.0).to(acc_t)  # (BK, BV)
     S = decay * S + (write * k)[:, None] * v[None, :]
     o = tl.sum(q[:, None] * S, 0)  # (BV,)
     denom = tl.sum(tl.sqrt(tl.zeros([1], dtype=acc_t) + K), 0)  # √K in the accumulation dtype
     if VARIANT >= 0:
-        cum = tl.load(ks_ptr + b * sks_b + h * sks_h + offs_k, mask=mk, other=0.0).to(acc_t) + k
+        cum = tl.load(ks_ptr + srow * sks_b + h * sks_h + offs_k, mask=mk, other=0.0).to(acc_t) + k
     y = o
     if VARIANT == 0 or VARIANT == 1:  # collapsed: one summed state
         if HAS_CSUM:
-            Cs = tl.load(cs_ptr + b * scs_b + h * scs_h + offs_k[:, None] * scs_k
+            Cs = tl.load(cs_ptr + srow * scs_b + h * scs_h + offs_k[:, None] * scs_k
                          + offs_v[None, :], mask=mkv, other=0.0).to(acc_t)
             y = o + tl.sum(q[:, None] * Cs, 0)
         if VARIANT == 1:
@@ -253,29 +257,33 @@ def _fused_decode_kernel(
     tl.debug_barrier()
     tl.store(s_ptrs, S, mask=mkv)
     if VARIANT >= 0:
-        tl.store(ks_ptr + b * sks_b + h * sks_h + offs_k, cum, mask=mk)
+        tl.store(ks_ptr + srow * sks_b + h * sks_h + offs_k, cum, mask=mk)
     if W > 0:
         mrow = offs_w[:, None] < W - 1
-        tl.store(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_v[None, :], nv,
+        tl.store(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_v[None, :], nv,
                  mask=mrow & mv[None, :])
         if SHIFT_QK:
-            tl.store(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_q[None, :], nq,
+            tl.store(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_q[None, :], nq,
                      mask=mrow & mk[None, :])
-            tl.store(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_k[None, :], nk,
+            tl.store(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_k[None, :], nk,
                      mask=mrow & mk[None, :])
     tl.store(y_ptr + b * sy_b + h * V + offs_v, y, mask=mv)
 
 
 def _fused_finish_kernel(
-    y_ptr, z_ptr, nw_ptr, tail_ptr, x_ptr,
+    y_ptr, z_ptr, nw_ptr, tail_ptr, x_ptr, rows_ptr,
     K, GS, NNG, NQG, q_off, k_off, eps,
     sy_b, sz_b, st_b, st_w, sx_b,
     DO_NORM: tl.constexpr, NORM_FIRST: tl.constexpr, HAS_Z: tl.constexpr,
     NW_FULL: tl.constexpr, DO_SHIFT: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-    BD: tl.constexpr, BK: tl.constexpr, F64: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, F64: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
+    if HAS_ROWS:
+        srow = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        srow = b
     if F64:
         acc_t = tl.float64
     else:
@@ -313,18 +321,18 @@ def _fused_finish_kernel(
             last = offs_w[:, None] == W - 2
             ch_q = q_off + g * K + offs_k
             ch_k = k_off + g * K + offs_k
-            nq = tl.load(tail_ptr + b * st_b + (offs_w[:, None] + 1) * st_w + ch_q[None, :],
+            nq = tl.load(tail_ptr + srow * st_b + (offs_w[:, None] + 1) * st_w + ch_q[None, :],
                          mask=mnext, other=0.0)
-            nk = tl.load(tail_ptr + b * st_b + (offs_w[:, None] + 1) * st_w + ch_k[None, :],
+            nk = tl.load(tail_ptr + srow * st_b + (offs_w[:, None] + 1) * st_w + ch_k[None, :],
                          mask=mnext, other=0.0)
             xq = tl.load(x_ptr + b * sx_b + ch_q, mask=mk, other=0.0)
             xk = tl.load(x_ptr + b * sx_b + ch_k, mask=mk, other=0.0)
             nq = tl.where(last, xq[None, :].to(nq.dtype), nq)
             nk = tl.where(last, xk[None, :].to(nk.dtype), nk)
             tl.debug_barrier()
-            tl.store(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_q[None, :], nq,
+            tl.store(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_q[None, :], nq,
                      mask=mrow & mk[None, :])
-            tl.store(tail_ptr + b * st_b + offs_w[:, None] * st_w + ch_k[None, :], nk,
+            tl.store(tail_ptr + srow * st_b + offs_w[:, None] * st_w + ch_k[None, :], nk,
                      mask=mrow & mk[None, :])
 
 
@@ -342,20 +350,24 @@ def fused_linear_decode(
     table: Tensor | None = None, state_table: Tensor | None = None,
     pool_S: Tensor | None = None, ksum_pool: Tensor | None = None, csum: Tensor | None = None,
     row_top_k: Tensor | None = None, out: Tensor | None = None,
+    state_rows: Tensor | None = None,
 ) -> Tensor:
     """Triton twin of ``twins.fused_linear_decode_torch`` (same signature and result).
 
     Launch 1 grid (B, H); launch 2 grid (B, max(norm groups, q/k groups)) only when a norm
-    group or a q/k group spans several heads.
+    group or a q/k group spans several heads. With ``state_rows`` both read and write the
+    state, tail, key sum and summed state at row ``state_rows[b]`` of those tensors.
     """
+    rv = rows_views(x.shape[0], state_rows, S=S, conv_tail=conv_tail, seg_ksum=seg_ksum,
+                    csum=csum)
     dims = check_fused_args(
-        x, z, S, q_offset=q_offset, k_offset=k_offset, v_offset=v_offset, qk_heads=qk_heads,
-        conv_tail=conv_tail, conv_weight=conv_weight, conv_bias=conv_bias, u=u,
-        gate_mode=gate_mode, log_a=log_a, b=b, dt=dt, dt_bias=dt_bias, A_log=A_log, D=D,
-        norm_weight=norm_weight, norm_group=norm_group, variant=variant,
-        segment_len=segment_len, top_k=top_k, seg_ksum=seg_ksum, seg_len=seg_len, n_seg=n_seg,
-        table=table, state_table=state_table, pool_S=pool_S, ksum_pool=ksum_pool, csum=csum,
-        row_top_k=row_top_k)
+        x, z, rv["S"], q_offset=q_offset, k_offset=k_offset, v_offset=v_offset,
+        qk_heads=qk_heads, conv_tail=rv["conv_tail"], conv_weight=conv_weight,
+        conv_bias=conv_bias, u=u, gate_mode=gate_mode, log_a=log_a, b=b, dt=dt,
+        dt_bias=dt_bias, A_log=A_log, D=D, norm_weight=norm_weight, norm_group=norm_group,
+        variant=variant, segment_len=segment_len, top_k=top_k, seg_ksum=rv["seg_ksum"],
+        seg_len=seg_len, n_seg=n_seg, table=table, state_table=state_table, pool_S=pool_S,
+        ksum_pool=ksum_pool, csum=rv["csum"], row_top_k=row_top_k)
     B, H, K, V, G, GS = (dims[n] for n in ("B", "H", "K", "V", "G", "GS"))
     for name, t in (("x", x), ("z", z), ("S", S), ("seg_ksum", seg_ksum), ("u", u),
                     ("conv_tail", conv_tail), ("conv_weight", conv_weight), ("csum", csum),
@@ -394,7 +406,7 @@ def fused_linear_decode(
         x, pick(conv_tail), pick(conv_weight), pick(conv_bias), pick(u), pick(gate_a), pick(b),
         pick(dt_bias), pick(A_log), S, pick(seg_ksum), pick(seg_len), pick(n_seg), pick(tab),
         pick(stab), pick(pool_S), pick(ksum_pool), pick(csum), pick(row_top_k), pick(D),
-        pick(z), pick(norm_weight), out,
+        pick(z), pick(norm_weight), out, pick(state_rows),
         H, K, V, N, segment_len, rep, q_offset, k_offset, v_offset,
         float(decay_scale), float(dt_min), float(min(dt_max, 3e38)), float(dt_scale),
         float(norm_eps), GS,
@@ -409,18 +421,19 @@ def fused_linear_decode(
         HAS_D=D is not None, D_PER_CH=D is not None and D.numel() == H * V,
         HAS_Z=z is not None, NORM=norm, NORM_FIRST=norm_before_gate,
         NW_FULL=norm_weight is not None and norm_weight.numel() == H * V,
-        BW=BW, BN=_pow2(N), BK=BK, BV=BV, F64=f64,
+        BW=BW, BN=_pow2(N), BK=BK, BV=BV, F64=f64, HAS_ROWS=state_rows is not None,
     )
     if norm == 2 or shift_later:
         nng = (H * V) // GS if norm == 2 else 0
         nqg = G if shift_later else 0
         jitted(_fused_finish_kernel)[(B, max(nng, nqg))](
-            out, pick(z), pick(norm_weight), pick(conv_tail), x,
+            out, pick(z), pick(norm_weight), pick(conv_tail), x, pick(state_rows),
             K, GS, nng, nqg, q_offset, k_offset, float(norm_eps),
             out.stride(0), z.stride(0) if z is not None else 0,
             *(s3(conv_tail)[:2] if conv_tail is not None else z0[:2]), x.stride(0),
             DO_NORM=norm == 2, NORM_FIRST=norm_before_gate, HAS_Z=z is not None,
             NW_FULL=norm_weight is not None and norm_weight.numel() == H * V,
             DO_SHIFT=shift_later, W=W, BW=BW, BD=min(_pow2(GS, 16), 1024), BK=BK, F64=f64,
+            HAS_ROWS=state_rows is not None,
         )
     return out

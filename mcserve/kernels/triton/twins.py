@@ -538,6 +538,25 @@ FUSED_VARIANTS = ("none", "residual", "post", "grm", "soup", "ssc")
 GATE_MODES = ("given", "sigmoid", "softplus")
 
 
+def rows_views(B: int, state_rows: Tensor | None, **pools: Tensor | None
+               ) -> dict[str, Tensor | None]:
+    """With ``state_rows`` ``(B,)`` (row b's state lives at ``state_rows[b]`` of each pool):
+    ``(B, ...)`` stand-ins of the pools for the shape checks (no data is read), after checking
+    ``state_rows``. Without: the tensors as given."""
+    if state_rows is None:
+        return pools
+    if state_rows.dim() != 1 or state_rows.shape[0] != B or state_rows.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"state_rows must be an int32/int64 tensor of shape ({B},), got "
+                         f"{state_rows.dtype} {tuple(state_rows.shape)}")
+    out: dict[str, Tensor | None] = {}
+    for name, t in pools.items():
+        if t is not None and t.shape[0] == 0:
+            raise ValueError(f"{name}: an empty pool cannot hold state_rows")
+        out[name] = None if t is None else t[:1].expand((B,) + t.shape[1:])
+    return out
+
+
 def check_fused_args(x: Tensor, z: Tensor | None, S: Tensor, *, q_offset: int, k_offset: int,
                      v_offset: int, qk_heads: int, conv_tail, conv_weight, conv_bias, u,
                      gate_mode: str, log_a, b, dt, dt_bias, A_log, D, norm_weight,
@@ -633,9 +652,14 @@ def fused_linear_decode_torch(
     table: Tensor | None = None, state_table: Tensor | None = None,
     pool_S: Tensor | None = None, ksum_pool: Tensor | None = None, csum: Tensor | None = None,
     row_top_k: Tensor | None = None, out: Tensor | None = None,
+    state_rows: Tensor | None = None,
 ) -> Tensor:
     """One decode token per row through a gated-linear-memory mixer, from its projections to
     the gated, normalised output (what ``o_proj`` / ``out_proj`` reads).
+
+    ``state_rows`` ``(B,)``: S, conv_tail, seg_ksum and csum are pools whose row
+    ``state_rows[b]`` is row b's (read and updated there: the engine's slot pool, no gather
+    into a batch); rows may repeat only where their results are discarded (padding).
 
     x ``(B, CC)``: the token's conv-input channels (pre-conv): v of head h at channels
     ``v_offset + h·V``, q and k of q/k group g (``qk_heads`` heads share one: Mamba2's B/C) at
@@ -665,6 +689,26 @@ def fused_linear_decode_torch(
     Returns y ``(B, H·V)`` in x's dtype (written into ``out`` when given); computed in float32
     at least.
     """
+    if state_rows is not None:  # gather the rows, step them, write them back
+        rows_views(x.shape[0], state_rows, S=S, conv_tail=conv_tail, seg_ksum=seg_ksum,
+                   csum=csum)
+        pools = {"S": S, "conv_tail": conv_tail, "seg_ksum": seg_ksum}
+        got = {n: None if t is None else t[state_rows] for n, t in pools.items()}
+        y = fused_linear_decode_torch(
+            x, z, got["S"], q_offset=q_offset, k_offset=k_offset, v_offset=v_offset,
+            qk_heads=qk_heads, conv_tail=got["conv_tail"], conv_weight=conv_weight,
+            conv_bias=conv_bias, normalize_qk=normalize_qk, u=u, gate_mode=gate_mode,
+            log_a=log_a, b=b, decay_scale=decay_scale, dt=dt, dt_bias=dt_bias, A_log=A_log,
+            dt_min=dt_min, dt_max=dt_max, dt_scale=dt_scale, D=D, norm_weight=norm_weight,
+            norm_eps=norm_eps, norm_group=norm_group, norm_before_gate=norm_before_gate,
+            variant=variant, segment_len=segment_len, top_k=top_k, seg_ksum=got["seg_ksum"],
+            seg_len=seg_len, n_seg=n_seg, table=table, state_table=state_table, pool_S=pool_S,
+            ksum_pool=ksum_pool, csum=None if csum is None else csum[state_rows],
+            row_top_k=row_top_k, out=out)
+        for n, t in pools.items():
+            if t is not None:
+                t.index_copy_(0, state_rows, got[n])
+        return y
     dims = check_fused_args(
         x, z, S, q_offset=q_offset, k_offset=k_offset, v_offset=v_offset, qk_heads=qk_heads,
         conv_tail=conv_tail, conv_weight=conv_weight, conv_bias=conv_bias, u=u,
