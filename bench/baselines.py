@@ -256,6 +256,13 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
 
+    def system_info(self) -> str:
+        """llama.cpp's own account of its build: the instruction sets its CPU backend uses
+        (``AVX2 = 1``, ``AVX512 = 0``, ...), the path it was loaded from."""
+        info = self.L.llama_print_system_info()
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        return f"{' '.join(text.split())} [{Path(self.L.__file__).parent}]"
+
     def _context(self, streams: int, max_len: int, n_batch: int):
         L = self.L
         cp = L.llama_context_default_params()

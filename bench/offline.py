@@ -19,6 +19,14 @@ and prints the ratios against the targets (mcserve >= 1x llama.cpp at 8 and 16 s
 at 1; >= 5x transformers at 8). Writes ``bench/results/offline_compare.json``. With ``--quick``
 the model has 2 layers and a 4096 vocabulary (a smoke run, no meaningful ratio).
 
+``--isa avx2`` runs everything as on a CPU without AVX-512 (an AVX2-only AMD EPYC, say): the
+script restarts itself with mcserve's C++ kernels built for x86-64-v3 (``MCSERVE_CPU_ISA=avx2``,
+``docs/cpu-kernels.md``) and torch's own kernels, oneDNN and MKL capped at AVX2
+(``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``). The
+llama.cpp column is whatever ``llama_cpp`` imports: ``--llama-cpp-path DIR`` puts a
+``pip install --target DIR`` build first on the path (bench/README.md: an AVX2-only build). The
+printout and JSON say which instruction set each side ran.
+
 ``--compare --families`` times mcserve's decode on three imported ~0.1B shapes with random
 weights: RWKV-7 0.1B (BlinkDL ``.pth``), a 130M-class fla Gated DeltaNet and the 130M Mamba2
 (``bench/baselines.py``), at each ``--streams`` count, each with the fused C++ state step and,
@@ -29,6 +37,7 @@ same run. Writes ``bench/results/offline_compare_families.json``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +65,38 @@ def build_engine(model_dir: str | None, max_num_seqs: int, max_len: int) -> LLME
                                       head_dim=64, segment_len=64, mc_variant="grm"))
     return LLMEngine(cfg, model=model, tokenizer=Tokenizer.byte_level(),
                      model_name="random-default-shape")
+
+
+#: what ``--isa avx2`` sets: mcserve's C++ kernels and torch's own ISA dispatch capped at AVX2
+ISA_ENV = {
+    "avx2": {"MCSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "native": {"MCSERVE_CPU_ISA": "native"},
+}
+
+
+def _restart_with_isa(isa: str) -> None:
+    """Re-run this script with ``ISA_ENV[isa]`` set (torch, oneDNN and MKL read these when they
+    load, which has happened by now), unless they already are."""
+    env = dict(os.environ)
+    if isa == "native":
+        for k in ISA_ENV["avx2"]:
+            env.pop(k, None)
+    env.update(ISA_ENV[isa])
+    if all(os.environ.get(k) == env.get(k) for k in set(env) | set(os.environ)):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def isa_info() -> dict[str, str | None]:
+    """Which instruction sets this run's mcserve used: its C++ kernels' build and torch's
+    dispatch (and the caps set on oneDNN and MKL)."""
+    from mcserve.kernels import cpu as cpu_ops
+
+    return {"mcserve_cpu_kernels": cpu_ops.isa(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            "MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS")}
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
@@ -89,10 +130,20 @@ def main() -> None:
     cmp.add_argument("--families", action="store_true",
                      help="instead: mcserve's decode on RWKV-7, Gated DeltaNet and Mamba2 at "
                      "~0.1B, fused state step vs the generic one")
+    ap.add_argument("--isa", choices=["native", "avx2"], default=None,
+                    help="avx2: restart with mcserve's kernels, torch, oneDNN and MKL limited "
+                    "to AVX2 (as on a CPU without AVX-512); default: as the environment says")
+    cmp.add_argument("--llama-cpp-path", default=None,
+                     help="a folder holding the llama_cpp package (pip install --target DIR), "
+                     "put first on sys.path: e.g. an AVX2-only build")
     cmp.add_argument("--llama-cpp-src", default=None,
                      help="llama.cpp source folder with convert_hf_to_gguf.py "
                      "(default: $LLAMA_CPP_SRC)")
     args = ap.parse_args()
+    if args.isa is not None:
+        _restart_with_isa(args.isa)
+    if args.llama_cpp_path:
+        sys.path.insert(0, str(Path(args.llama_cpp_path).resolve()))
     if args.compare and args.rwkv7:
         return compare_rwkv7(args)
     if args.compare and args.families:
@@ -157,6 +208,8 @@ def compare(args: argparse.Namespace) -> None:
     llama, why = bl.llama_cpp_runner(model_dir, args.llama_cpp_src, threads)
     runners += [llama] if llama is not None else []
     notes = [why] if why else []
+    isa = isa_info()
+    isa["llama_cpp"] = llama.system_info() if llama is not None else None
     tf = bl.TransformersRunner(model_dir)
     results, agree = [], {}
     for n in args.streams:
@@ -194,12 +247,15 @@ def compare(args: argparse.Namespace) -> None:
     print(f"model: Mamba2 {bl.describe_shape(shape)}, float32, random weights; "
           f"{args.prompt_len}-token prompts -> {args.new_tokens} greedy tokens per stream; "
           f"{threads} threads for every implementation; median of {args.repeats}")
+    print(f"instruction sets: mcserve C++ kernels {isa['mcserve_cpu_kernels']}, torch "
+          f"{isa['torch_cpu_capability']} (oneDNN cap {isa['ONEDNN_MAX_CPU_ISA'] or 'none'}, MKL "
+          f"cap {isa['MKL_ENABLE_INSTRUCTIONS'] or 'none'}); llama.cpp: {isa['llama_cpp']}")
     print_table(rows, ["streams"] + [f"{m} tok/s" for m in names]
                 + ["mcserve / llama.cpp", "mcserve / transformers"],
                 title="decode throughput, same weights, same run")
     for note in notes:
         print(note)
-    write_json({"env": env, "args": vars(args), "shape": shape, "threads": threads,
+    write_json({"env": env, "args": vars(args), "shape": shape, "threads": threads, "isa": isa,
                 "results": [r.to_json() for r in results], "targets": checks, "notes": notes,
                 "agreement_with_mcserve": [{"name": k[0], "streams": k[1], "fraction": v}
                                            for k, v in agree.items()]},

@@ -6,7 +6,9 @@ a non-x86 build, ``MCSERVE_CPU_KERNELS=0``); the reason is in ``status()``. The 
 (about a minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), under a name that holds the CPU kind and the source's hash, and
 reuses it while the source is unchanged. The build runs under an ``flock`` that a killed build
-cannot leave held (``_build_lock``).
+cannot leave held (``_build_lock``). It targets this CPU (``-march=native``) unless
+``$MCSERVE_CPU_ISA`` asks for a fixed level (``avx2``: x86-64-v3, ``avx512``: x86-64-v4,
+``portable``), each under its own name, never one this CPU lacks (``requested_isa``).
 
 The public functions below take the twin's signature (``twins.py``) and pick the C++ op when it
 is built and the inputs qualify (CPU, float32, the layouts the op expects), the twin otherwise,
@@ -40,21 +42,40 @@ _state: dict[str, object] = {}
 GEMV_MAX_ROWS = 2
 
 
+def _cpuinfo_head() -> str:
+    """The first processor's lines of ``/proc/cpuinfo`` ("" where there is none)."""
+    text = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.strip() == "":  # the first processor is enough
+                    break
+                text += line
+    except OSError:
+        pass
+    return text
+
+
 def _cpu_tag() -> str:
     """A short hash of this CPU's model and instruction-set flags: a ``-march=native`` build is
     cached per CPU kind, so a home directory shared by different machines never loads a build
     with instructions its CPU lacks."""
     text = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "model name", "Features")):
-                    text += line
-                if line.strip() == "":  # the first processor is enough
-                    break
-    except OSError:
+    head = _cpuinfo_head()
+    if head:
+        text += "".join(line + "\n" for line in head.splitlines()
+                        if line.startswith(("flags", "model name", "Features")))
+    else:
         text += platform.processor()
     return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags as ``/proc/cpuinfo`` lists them (empty where unknown)."""
+    for line in _cpuinfo_head().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def _src_tag() -> str:
@@ -63,13 +84,62 @@ def _src_tag() -> str:
     return hashlib.sha1(_SRC.read_bytes()).hexdigest()[:8]
 
 
+#: ``MCSERVE_CPU_ISA`` values other than ``native``: the ``-march`` each builds for and the
+#: ``/proc/cpuinfo`` flags this CPU must have to run it (x86-64 micro-architecture levels)
+ISA_ENV = "MCSERVE_CPU_ISA"
+ISAS: dict[str, tuple[str | None, frozenset[str]]] = {
+    "portable": (None, frozenset()),  # the compiler's default target (x86-64: SSE2)
+    "avx2": ("x86-64-v3", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
+    "avx512": ("x86-64-v4", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe",
+                                       "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                       "avx512vl"})),
+}
+
+
+def requested_isa() -> tuple[str, str | None]:
+    """The instruction set the C++ ops are built for, and a note when the request was not
+    followed: ``$MCSERVE_CPU_ISA`` (``native`` (default), ``avx2``, ``avx512``, ``portable``;
+    ``MCSERVE_CPU_KERNELS_PORTABLE=1`` is ``portable``). A level this CPU lacks (``avx512`` on an
+    AVX2-only CPU, ``avx2`` on an older one) is never built: ``native`` serves instead, which
+    by construction only uses instructions this CPU has."""
+    raw = os.environ.get(ISA_ENV, "").strip().lower()
+    if not raw and os.environ.get("MCSERVE_CPU_KERNELS_PORTABLE", "") == "1":
+        raw = "portable"
+    if raw in ("", "native"):
+        return "native", None
+    if raw not in ISAS:
+        return "native", (f"{ISA_ENV}={raw!r} is not one of native, "
+                          f"{', '.join(ISAS)}: building for native")
+    march, needs = ISAS[raw]
+    if march is not None:
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            return "native", f"{ISA_ENV}={raw} is an x86-64 level, this is {platform.machine()}"
+        missing = needs - cpu_flags()
+        if missing:
+            return "native", (f"{ISA_ENV}={raw}: this CPU lacks {', '.join(sorted(missing))}; "
+                              "building for native instead")
+    return raw, None
+
+
 def _build_name() -> tuple[str, list[str]]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
-    name = f"mcserve_cpu_ops_portable_{_src_tag()}"
-    if os.environ.get("MCSERVE_CPU_KERNELS_PORTABLE", "") != "1":
+    isa, note = requested_isa()
+    if note:
+        log.warning("mcserve CPU kernels: %s", note)
+    if isa == "native":
         flags.append("-march=native")  # built where it runs: use this CPU's vector width
-        name = f"mcserve_cpu_ops_{_cpu_tag()}_{_src_tag()}"
-    return name, flags
+        return f"mcserve_cpu_ops_{_cpu_tag()}_{_src_tag()}", flags
+    march = ISAS[isa][0]
+    if march is not None:
+        flags.append(f"-march={march}")
+    return f"mcserve_cpu_ops_{isa}_{_src_tag()}", flags
+
+
+def isa() -> str:
+    """The instruction set of the loaded build (``native``, ``avx2``, ``avx512``, ``portable``),
+    or why there is none (``status()``)."""
+    ops()
+    return str(_state.get("isa") or status())
 
 
 @contextlib.contextmanager
@@ -107,6 +177,7 @@ def _build():
     from torch.utils.cpp_extension import _get_build_directory, load
 
     name, flags = _build_name()
+    _state["isa"] = requested_isa()[0]
     build_dir = Path(_get_build_directory(name, verbose=False))
     with _build_lock(build_dir):
         fresh = not any(build_dir.glob("*.so"))
@@ -156,6 +227,8 @@ def ops():
                     why = f"build failed: {type(e).__name__}: {str(e).strip()[-300:]}"
                     log.warning("mcserve CPU kernels unavailable (%s); using torch ops", why)
             _state["mod"], _state["why"] = mod, why
+            if mod is None:
+                _state.pop("isa", None)
     return _state["mod"]
 
 
