@@ -5,6 +5,8 @@
 #   bash experiments/posthoc/run_eval.sh main       # one part: main | segments | delta |
 #                                                   # combined | passkey | tables
 #   M=experiments/posthoc/ckpt bash experiments/posthoc/run_eval.sh   # the 128-token model
+# W (windows per length, 4), MAXMULT (32), CW (calibration windows, 2) and PKT (passkey trials
+# per length x depth, 4) override the defaults.
 # T is the checkpoint's training length (config.json's max_position_embeddings); lengths run
 # from 1x to MAXMULT x T (32), segment lengths are T/2, T and 2T, and the Delta scales are
 # calibrated at 16x T on calib.bin (never on eval.bin). Reports go to results/T$T/.
@@ -62,10 +64,10 @@ fi
 if [[ $part == all || $part == passkey ]]; then
   # the same lengths; as-is, reset:T, post:T:independent, grm:T:independent, Delta scaling
   PK=${PK:-$LENS}
-  $EV passkey "$M" --lengths "$PK" --trials 4 --depths 0,0.5,1 --reset --no-progress \
+  $EV passkey "$M" --lengths "$PK" --trials "${PKT:-4}" --depths 0,0.5,1 --reset --no-progress \
     --mc "post:$T:independent,grm:$T:independent" --json $R/passkey.json
   if [[ -f $R/delta_layers.json ]]; then
-    $EV passkey "$M" --lengths "$PK" --trials 4 --depths 0,0.5,1 --no-progress --mc '' \
+    $EV passkey "$M" --lengths "$PK" --trials "${PKT:-4}" --depths 0,0.5,1 --no-progress --mc '' \
       --delta-scale "$(shared $R/delta_layers.json)" --json $R/passkey_delta.json
   fi
 fi

@@ -9,11 +9,13 @@ copied back into the transformers model, checked against it, and written with it
 ``save_pretrained``, so ``mcserve`` (and transformers) load the directory as any Mamba2 checkpoint::
 
     python experiments/posthoc/prepare_corpus.py
-    python experiments/posthoc/train_mamba2.py --out experiments/posthoc/ckpt
+    python experiments/posthoc/train_mamba2.py            # writes experiments/posthoc/ckpt512
 
 The defaults are the recipe of docs/post-hoc-mc.md: 2.8M parameters (d_model 256, 4 layers,
-16 heads of 32, state 64), 128-token context, Δ initialised in [1e-3, 0.1] and A scaled by 0.01
-(slow decay: the heads barely forget within the training length), 428 steps of 32 x 128 tokens.
+16 heads of 32, state 64), 512-token context, Δ initialised in [1e-3, 0.1] and A scaled by 0.001
+(slow decay: the heads barely forget within the training length), 651 steps of 8 x 512 tokens.
+The 128-token model of the same page: ``--out experiments/posthoc/ckpt --seq-len 128 --batch 32
+--a-scale 0.01 --max-steps 428``.
 
 AdamW, warmup + cosine, gradient clipping, fixed seed and data order (the batch of step s depends
 on s and the seed alone). Without ``--max-minutes`` the schedule runs on steps and the run is
@@ -91,7 +93,7 @@ def save(model, hf_model, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT / "experiments/posthoc/data"))
-    ap.add_argument("--out", default=str(ROOT / "experiments/posthoc/ckpt"))
+    ap.add_argument("--out", default=str(ROOT / "experiments/posthoc/ckpt512"))
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-layers", type=int, default=4)
     ap.add_argument("--state-size", type=int, default=64)
@@ -100,18 +102,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--dt-min", type=float, default=1e-3)
     ap.add_argument("--dt-max", type=float, default=1e-1)
-    ap.add_argument("--a-scale", type=float, default=0.01,
+    ap.add_argument("--a-scale", type=float, default=0.001,
                     help="multiply transformers' initial A (1..num_heads) by this: below 1 the "
                     "heads decay more slowly, so their states keep growing over the context")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--max-steps", type=int, default=428)
+    ap.add_argument("--max-steps", type=int, default=651)
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="time budget: the schedule anneals within it (default: none)")
-    ap.add_argument("--save-every", type=int, default=150)
+    ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
