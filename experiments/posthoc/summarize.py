@@ -2,13 +2,13 @@
 
     python experiments/posthoc/summarize.py experiments/posthoc/results/*.json
 
-Table 1: window perplexity per setting × length, and at the longest three lengths the ratio
-to ``reset:T`` (T = the shortest length, the training length) on the same windows.
-``reset:T`` restarts the memory every T tokens, so every position sees at most T tokens of
-context, as in training: its window perplexity is the model's 1× perplexity on exactly those tokens, and the ratio is the
-degradation past the training length with the text held fixed. Table 2: perplexity per
-position bucket at the longest length. Passkey reports give accuracy per setting × length (mean
-over depths). A report's ``delta_scale`` (``--delta-scale``) is shown in the setting's name.
+Table 1: window perplexity per setting × length, and at the longest three lengths the ratio to
+``reset:T`` (T = the shortest length, the training length) on the same windows. ``reset:T``
+restarts the memory every T tokens, so every position sees at most T tokens of context, as in
+training: its window perplexity is the model's 1× perplexity on exactly those tokens, and the
+ratio is the degradation past the training length with the text held fixed. Table 2: perplexity
+per position bucket at the longest length. Passkey reports give accuracy per setting × length
+(mean over depths). A report's ``delta_scale`` (``--delta-scale``) is shown in the setting's name.
 """
 
 from __future__ import annotations
