@@ -603,3 +603,21 @@ def test_fused_decode_pays_and_the_wide_table_fallback(monkeypatch, static):
     # static: the layers get the slot pools and a row index, and gather their rows themselves
     got = sd.run(sd.engine(sd.MODELS["mamba2-grm"]().to(DEV), static, **kw), sd.prompts(2))
     assert got == want and not calls
+
+
+@needs_triton
+def test_static_rows_with_host_tier_blocks(monkeypatch):
+    # ssc blocks offloaded to the host tier: the static step's layers get pools and rows, the
+    # fused call does not fit (host blocks are fetched), so each layer gathers its rows, fetches
+    # and writes back; same greedy tokens as the torch backend
+    import test_static_decode as sd
+
+    kw = dict(device=DEV.type, enforce_eager=DEV.type == "cuda", num_state_blocks=12,
+              host_state_blocks=64)
+    ps = sd.prompts(5)
+    monkeypatch.setenv("MCSERVE_KERNELS", "torch")
+    want = sd.run(sd.engine(sd.MODELS["linear-ssc"]().to(DEV), True, **kw), ps)
+    monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+    eng = sd.engine(sd.MODELS["linear-ssc"]().to(DEV), True, **kw)
+    assert sd.run(eng, ps) == want
+    assert eng.stats()["host_blocks_offloaded"] > 0 and eng.cache.is_whole()
