@@ -934,7 +934,7 @@ def build_serve_app(options: RayServeOptions) -> Any:
     if gpus:
         actor["num_gpus"] = gpus
     env = {"OMP_NUM_THREADS": str(max(1, options.cpu_threads))}
-    for key in ("MCSERVE_CPU_KERNELS", "MCSERVE_CPU_KERNELS_PORTABLE"):
+    for key in ("MCSERVE_CPU_KERNELS", "MCSERVE_CPU_KERNELS_PORTABLE", "MCSERVE_CPU_ISA"):
         if key in os.environ:
             env[key] = os.environ[key]
     actor["runtime_env"] = {"env_vars": env}
