@@ -220,12 +220,12 @@ def causal_conv(full: Tensor, w: Tensor, T: int) -> Tensor:
     """Depthwise causal conv of the last ``T`` steps as ``W`` shifted multiply-adds (faster than
     a grouped conv1d on CPU): ``full`` ``(B, W - 1 + T, C)`` (the old tail in front), ``w``
     ``(C, W)`` → ``(B, T, C)``, without bias."""
-    # the taps as contiguous rows: a strided column of w broadcast over (B, T, C) takes
-    # torch's slow elementwise path (5-10x slower at C = 768)
+    # the taps as contiguous rows (a strided column of w broadcast over (B, T, C) takes torch's
+    # slow elementwise path, 5-10x slower at C = 768), each added in one fused pass
     wt = w.t().contiguous()  # (W, C)
     out = full[:, :T] * wt[0]
     for j in range(1, wt.shape[0]):
-        out += full[:, j:j + T] * wt[j]
+        out.addcmul_(full[:, j:j + T], wt[j])
     return out
 
 
