@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that needs an NVIDIA GPU, in one call of at most 7.5 minutes (the three limits below
+# Everything that needs an NVIDIA GPU, in one call of at most 8 minutes (the three limits below
 # plus their kill grace):
 #   (a) the CUDA tests: the Triton kernels compiled (not interpreted) against their torch twins
 #       and reference loops, and the engine on CUDA against the CPU engine;
@@ -14,16 +14,16 @@
 #   GPU_CHECK_DRY=1 bash bench/gpu_check.sh   # no GPU: gpu.py --device cpu --quick, no CUDA tests
 #
 # Each step runs under `timeout -s INT` (pytest and gpu.py report what they have on SIGINT);
-# GPU_CHECK_PYTEST_S / GPU_CHECK_KERNELS_S / GPU_CHECK_BENCH_S change the limits (160/50/210 s;
+# GPU_CHECK_PYTEST_S / GPU_CHECK_KERNELS_S / GPU_CHECK_BENCH_S change the limits (210/45/190 s;
 # gpu.py gets a --time-budget-s 60 s under its limit so that the row running when the budget
 # ends, and the report, still fit). The last line is a one-line summary.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 t_start=$SECONDS
 dry=${GPU_CHECK_DRY:-0}
-pytest_s=${GPU_CHECK_PYTEST_S:-160}
-kernels_s=${GPU_CHECK_KERNELS_S:-50}
-bench_s=${GPU_CHECK_BENCH_S:-210}
+pytest_s=${GPU_CHECK_PYTEST_S:-210}
+kernels_s=${GPU_CHECK_KERNELS_S:-45}
+bench_s=${GPU_CHECK_BENCH_S:-190}
 budget_s=$((bench_s > 120 ? bench_s - 60 : bench_s / 2))
 
 out=${1:-${OUT:-}}
