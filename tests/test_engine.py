@@ -80,17 +80,18 @@ COMBOS = [
 
 @pytest.mark.parametrize("memory,variant,mode", COMBOS)
 def test_batched_prefill_same_as_alone(monkeypatch, memory, variant, mode):
-    # prompts of equal length arriving together prefill as one batch (ModelRunner.prefill_batch)
-    # through segment pushes: same greedy tokens as generating each alone; a prefix-cache hit on
-    # the second round resumes every row from a cached block and batches again
+    # prompts arriving together prefill in one variable-length call (ModelRunner.prefill_varlen;
+    # those of equal length mix as one batch) through segment pushes: same greedy tokens as
+    # generating each alone; a prefix-cache hit on the second round resumes every row from a
+    # cached block and packs them again
     model = make_model(memory, variant, mode)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(0, 256, (n,), generator=g).tolist() for n in [10] * 4 + [7] * 3]
     alone = [greedy(model, p, GREEDY.max_tokens) for p in ps]
     eng = make_engine(model)
     sizes = []
-    real = eng.runner.prefill_batch
-    monkeypatch.setattr(eng.runner, "prefill_batch",
+    real = eng.runner.prefill_varlen
+    monkeypatch.setattr(eng.runner, "prefill_varlen",
                         lambda items: sizes.append(len(items)) or real(items))
     assert run(eng, ps) == alone
     if variant == "loglinear":  # private per-sequence states: never batched

@@ -215,22 +215,27 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
-        # prefills of sequences at the same phase run as one batch (short prompts arriving
-        # together); those that want every position's logits (prompt logprobs) run alone
-        groups: dict[object, list] = {}
+        # the step's prefills of any lengths and phases go through the model in one
+        # variable-length call; those that want every position's logits (prompt logprobs), and
+        # private (loglinear) states, run alone
+        calls: list[list] = []
+        packed = []
         for item in sched.prefills:
             seq = item.seq
             touched[seq.request_id] = self.requests[seq.request_id]
             want_all = seq.params.prompt_logprobs is not None and not seq.output_ids
-            key = None if want_all else self.runner.batch_key(item)
-            groups.setdefault(("alone", id(item)) if key is None else key, []).append(item)
-        for group in groups.values():
+            if want_all or not self.runner.varlen:
+                calls.append([item])
+            else:
+                packed.append(item)
+        if packed:
+            calls.append(packed)
+        last: dict[int, torch.Tensor] = {}  # id(item) -> its last position's logits
+        for group in calls:
             try:
                 if len(group) > 1:
-                    logits = self.runner.prefill_batch(group)
-                    for item, row in zip(group, logits, strict=True):
-                        if item.seq.num_computed_tokens == item.seq.num_tokens:
-                            to_sample.append((item.seq, row))
+                    logits = self.runner.prefill_varlen(group)
+                    last.update((id(item), row) for item, row in zip(group, logits, strict=True))
                     continue
                 seq = group[0].seq
                 want_all = seq.params.prompt_logprobs is not None and not seq.output_ids
@@ -238,12 +243,15 @@ class LLMEngine:
                 logits = self.runner.prefill(group[0], want_all)
                 if want_all:
                     self._prompt_logprobs(seq, p0, logits)
-                if seq.num_computed_tokens == seq.num_tokens:
-                    to_sample.append((seq, logits[-1]))
-            except Exception as e:  # fails only the requests of this prefill (batch)
+                last[id(group[0])] = logits[-1]
+            except Exception as e:  # fails only the requests of this call
                 self._free_unused_blocks(group)
                 for item in group:
                     self._fail(self.requests[item.seq.request_id], e)
+        for item in sched.prefills:  # in the scheduler's order
+            seq = item.seq
+            if id(item) in last and seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append((seq, last[id(item)]))
         if sched.decodes:
             try:
                 logits = self.runner.decode(sched.decodes)

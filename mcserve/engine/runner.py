@@ -2,8 +2,9 @@
 
 * A prefill chunk (any number of segments) is ONE model call: the model records the checkpoint of
   every segment boundary the chunk crosses (``MCLayerState.record``), and the runner scatters
-  them into their pool blocks in one write per pool tensor. Sequences at the same phase with
-  chunks of the same length run as one batch.
+  them into their pool blocks in one write per pool tensor. The chunks of several sequences, of
+  any lengths and phases, are one variable-length call (``prefill_varlen``, the model's
+  ``forward_varlen``).
 * Decodes run as one ragged batch (``MCForCausalLM.forward_paged``): rows at different
   positions, with different numbers of cached segments, read their blocks from the pool through
   a padded block table. No Python loop over sequences.
@@ -16,7 +17,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -116,37 +117,29 @@ class ModelRunner:
             layers.append(LayerState(st, conv))
         return ModelState(layers)
 
-    def store_state(self, seqs: list[Sequence], state: ModelState) -> None:
-        """Row r of ``state`` back into the slot of ``seqs[r]``."""
+    def store_state(self, seqs: list[Sequence], state: ModelState | list[ModelState]) -> None:
+        """Row r of ``state`` back into the slot of ``seqs[r]``; ``state`` is one batched state,
+        or a list of batch-of-one states (one per sequence, at any phase). One write per slot
+        tensor and layer."""
+        states = [state] if isinstance(state, ModelState) else state
         s = torch.tensor([q.slot for q in seqs], dtype=torch.long, device=self.model.device)
-        for mc, sl, ls in zip(self.mems, self.cache.slot, state.layers, strict=True):
-            for k, t in ls.mc.mem.items():
-                sl[f"mem.{k}"][s] = t
-            sl["seg_ksum"][s] = ls.mc.seg_ksum
-            if ls.conv is not None:
-                sl["conv"][s] = ls.conv
-            if mc.collapsed and ls.mc.num_cached:
-                for k in mc.family.readout_keys:
-                    sl[f"csum.{k}"][s] = ls.mc.cached[k][:, 0]
 
-    @staticmethod
-    def _stack_states(states: list[ModelState]) -> ModelState:
-        """Batch-of-one states of sequences at the same phase (same segment fill, same number of
-        cached segments) → one batched state."""
-        if len(states) == 1:
-            return states[0]
-        layers = []
-        for lss in zip(*(st.layers for st in states), strict=True):
-            m = [ls.mc for ls in lss]
-            mc = replace(m[0], mem={k: torch.cat([x.mem[k] for x in m]) for k in m[0].mem},
-                         seg_ksum=torch.cat([x.seg_ksum for x in m]),
-                         cached={k: torch.cat([x.cached[k] for x in m]) for k in m[0].cached},
-                         cached_ksum=torch.cat([x.cached_ksum for x in m]),
-                         cached_len=list(m[0].cached_len), cached_pos=list(m[0].cached_pos),
-                         _stack=None)
-            conv = None if lss[0].conv is None else torch.cat([ls.conv for ls in lss])
-            layers.append(LayerState(mc, conv))
-        return ModelState(layers)
+        def rows(ts: list[Tensor]) -> Tensor:
+            return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+        for li, (mc, sl) in enumerate(zip(self.mems, self.cache.slot, strict=True)):
+            lss = [st.layers[li] for st in states]
+            for k in lss[0].mc.mem:
+                sl[f"mem.{k}"][s] = rows([ls.mc.mem[k] for ls in lss])
+            sl["seg_ksum"][s] = rows([ls.mc.seg_ksum for ls in lss])
+            if lss[0].conv is not None:
+                sl["conv"][s] = rows([ls.conv for ls in lss])
+            if mc.collapsed:  # rows with a cached segment: its running sum
+                have = [r for r, ls in enumerate(lss) if ls.mc.num_cached]
+                if have:
+                    idx = s if len(have) == len(lss) else s[have]
+                    for k in mc.family.readout_keys:
+                        sl[f"csum.{k}"][idx] = rows([lss[r].mc.cached[k][:, 0] for r in have])
 
     def _register(self, seq: Sequence, bid: int) -> None:
         """Block ``bid`` holds the checkpoint of ``seq``'s segment that just completed."""
@@ -157,30 +150,64 @@ class ModelRunner:
         self.cache.register(bid, h)
 
     # ------------------------------------------------------------------ prefill
-    def batch_key(self, item: ScheduledSeq) -> tuple | None:
-        """Prefill items with equal keys can run as one batch (``prefill_batch``); None: alone.
-        Equal keys mean the same number of tokens from the same phase: the same fill of the
-        online segment and the same number of cached segments (so segment boundaries and the
-        cached stack line up across rows) and the same per-request MC overrides."""
+    @property
+    def varlen(self) -> bool:
+        """Whether ``prefill_varlen`` serves this model (not loglinear's private states)."""
+        return not self.private
+
+    @staticmethod
+    def _phase(item: ScheduledSeq) -> tuple:
+        """Items with equal phases continue from the same position, fill of the online segment
+        and number of cached segments, with the same per-request MC overrides and chunk length:
+        the model mixes them as one batch when they are adjacent (``phase_runs``)."""
         seq = item.seq
-        if self.private:
-            return None
-        return (item.num_tokens, seq.segment_fill, len(seq.block_table), seq.mc_top_k)
+        return (item.num_tokens, seq.num_computed_tokens, seq.segment_fill,
+                len(seq.block_table), seq.mc_top_k or 0)
 
     @torch.no_grad()
-    def prefill_batch(self, items: list[ScheduledSeq]) -> Tensor:
-        """``prefill`` of several sequences with one ``batch_key`` as one batch; returns the
-        last position's logits of each ``(B, V)``. Short prompts arriving together cost one
-        pass over the weights instead of one per sequence."""
-        if len(items) == 1:
-            return self.prefill(items[0], False)
-        assert len({self.batch_key(it) for it in items}) == 1, "prefill_batch: mixed phases"
-        return self._prefill_rows(items, False)[:, -1]
+    def prefill_varlen(self, items: list[ScheduledSeq]) -> Tensor:
+        """The chunks of several sequences, of any lengths and phases, through the model in ONE
+        variable-length call (``forward_varlen``: tokens packed back to back, the token-wise
+        work once, the sequence mixing per sequence, or per batch of sequences at one phase with
+        equal chunks: the items are packed in phase order). Each records the checkpoints of the
+        segment boundaries its chunk crosses (any number), written into its pool blocks with
+        one scatter per layer and pool tensor for all items. Returns the last position's
+        logits of each item ``(n, V)``, in the order of ``items``; the same as ``prefill`` of
+        each alone."""
+        assert self.varlen, "prefill_varlen: private (loglinear) states prefill one by one"
+        order = sorted(range(len(items)), key=lambda r: self._phase(items[r]))
+        items = [items[r] for r in order]
+        seqs = [it.seq for it in items]
+        for it in items:
+            if it.resume_block is not None:
+                self.init_slot(it.seq, it.resume_block)
+        states = [self.load_state(q) for q in seqs]
+        lens = [it.num_tokens for it in items]
+        ids = [t for q, n in zip(seqs, lens, strict=True)
+               for t in q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n]]
+        x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
+        if self.caches_blocks:
+            for st in states:
+                for ls in st.layers:
+                    ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
+        logits, states = self.model.forward_varlen(x, states, lens)  # (n, V)
+        for q, n in zip(seqs, lens, strict=True):
+            q.num_computed_tokens += n
+        if self.caches_blocks:
+            self._write_checkpoints(items, states)
+        self.store_state(seqs, states)
+        if order == sorted(order):
+            return logits
+        back = [0] * len(order)
+        for r, o in enumerate(order):
+            back[o] = r
+        return logits[torch.tensor(back, device=logits.device)]  # in the callers' order
 
     @torch.no_grad()
     def prefill(self, item: ScheduledSeq, want_all_logits: bool) -> Tensor:
-        """Compute ``item.num_tokens`` tokens of one sequence; returns logits ``(n, V)`` (all
-        positions) or ``(1, V)`` (the last one)."""
+        """Compute ``item.num_tokens`` tokens of one sequence in one model call, however many
+        segment boundaries it crosses; returns logits ``(n, V)`` (all positions) or ``(1, V)``
+        (the last one)."""
         seq = item.seq
         if self.private:
             x = torch.tensor([seq.all_ids[seq.num_computed_tokens:][:item.num_tokens]],
@@ -189,65 +216,57 @@ class ModelRunner:
             logits, self.states[seq.seq_id] = self.model(x, state, last_only=not want_all_logits)
             seq.num_computed_tokens += item.num_tokens
             return logits[0] if want_all_logits else logits[0, -1:]
-        return self._prefill_rows([item], want_all_logits)[0]
-
-    def _prefill_rows(self, items: list[ScheduledSeq], want_all_logits: bool) -> Tensor:
-        """The chunk of every item (same phase, same length) through the model in ONE call,
-        however many segment boundaries it crosses; the checkpoint of every boundary crossed
-        is written into the item's pool blocks in one scatter per layer and pool tensor.
-        Returns logits ``(B, n, V)`` (all positions) or ``(B, 1, V)``."""
-        seqs = [it.seq for it in items]
-        for it in items:
-            if it.resume_block is not None:
-                self.init_slot(it.seq, it.resume_block)
-        state = self._stack_states([self.load_state(q) for q in seqs])
-        n = items[0].num_tokens
-        x = torch.tensor([q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n]
-                          for q in seqs], dtype=torch.long, device=self.model.device)
+        if item.resume_block is not None:
+            self.init_slot(seq, item.resume_block)
+        state = self.load_state(seq)
+        n = item.num_tokens
+        x = torch.tensor([seq.all_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]],
+                         dtype=torch.long, device=self.model.device)
         if self.caches_blocks:
             for ls in state.layers:
                 ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
         logits, state = self.model(x, state, last_only=not want_all_logits)
-        for q in seqs:
-            q.num_computed_tokens += n
+        seq.num_computed_tokens += n
         if self.caches_blocks:
-            self._write_checkpoints(items, state)
-        self.store_state(seqs, state)
-        return logits
+            self._write_checkpoints([item], [state])
+        self.store_state([seq], state)
+        return logits[0]
 
-    def _write_checkpoints(self, items: list[ScheduledSeq], state: ModelState) -> None:
-        """Scatter the checkpoints the model recorded in this chunk into the blocks the
-        scheduler allocated for them (``item.new_blocks``, oldest first), and register them."""
-        seqs = [it.seq for it in items]
-        n_new = len(state.layers[0].mc.record)
-        assert all(len(it.new_blocks) == n_new for it in items), \
-            "the scheduler's new blocks and the checkpoints of the chunk disagree"
+    def _write_checkpoints(self, items: list[ScheduledSeq], states: list[ModelState]) -> None:
+        """Scatter the checkpoints the model recorded in this step (``states[i]``: item i's
+        batch-of-one state; each item crossed its own number of boundaries) into the blocks the
+        scheduler allocated for them (``item.new_blocks``, oldest first), one write per layer
+        and pool tensor for all items, and register them."""
         C = self.mc.segment_len
-        for q in seqs:
-            q.segment_fill = (q.segment_fill + items[0].num_tokens) % C
-        if not n_new:
-            for ls in state.layers:
-                ls.mc.record = None
-            return
-        # (row, checkpoint) row-major, as torch.stack(..., 1).flatten(0, 1) lays them out
-        idx = torch.tensor([bid for it in items for bid in it.new_blocks[:n_new]],
-                           dtype=torch.long, device=self.model.device)
+        for it, st in zip(items, states, strict=True):
+            assert len(it.new_blocks) == len(st.layers[0].mc.record), \
+                "the scheduler's new blocks and the checkpoints of the chunk disagree"
+            it.seq.segment_fill = (it.seq.segment_fill + it.num_tokens) % C
+        ids = [bid for it in items for bid in it.new_blocks]  # the rows below, in order
+        idx = (torch.tensor(ids, dtype=torch.long, device=self.model.device) if ids else None)
+        for li, (mc, bl) in enumerate(zip(self.mems, self.cache.block, strict=True)):
+            rec = []  # every item's checkpoints, items in order, each oldest first
+            for st in states:
+                ls = st.layers[li].mc
+                rec += ls.record
+                ls.record = None
+            if not rec:
+                continue
 
-        def stacked(ts: list[Tensor]) -> Tensor:
-            return torch.stack(ts, 1).flatten(0, 1)
+            def rows(get: Callable[[dict], Tensor], rec: list[dict] = rec) -> Tensor:
+                ts = [get(r) for r in rec]  # each (1, ...)
+                return ts[0] if len(ts) == 1 else torch.cat(ts)
 
-        for mc, bl, ls in zip(self.mems, self.cache.block, state.layers, strict=True):
-            rec, ls.mc.record = ls.mc.record, None
             for k in rec[0]["mem"]:
-                bl[f"mem.{k}"][idx] = stacked([r["mem"][k] for r in rec])
-            bl["ksum"][idx] = stacked([r["ksum"] for r in rec])
+                bl[f"mem.{k}"][idx] = rows(lambda r, k=k: r["mem"][k])
+            bl["ksum"][idx] = rows(lambda r: r["ksum"])
             if "conv" in bl:
-                bl["conv"][idx] = stacked([r["conv"] for r in rec])
+                bl["conv"][idx] = rows(lambda r: r["conv"])
             if mc.collapsed:
                 for k in mc.family.readout_keys:
-                    bl[f"csum.{k}"][idx] = stacked([r["csum"][k] for r in rec])
+                    bl[f"csum.{k}"][idx] = rows(lambda r, k=k: r["csum"][k])
         for it in items:
-            for bid in it.new_blocks[:n_new]:
+            for bid in it.new_blocks:
                 self._register(it.seq, bid)
 
     # ------------------------------------------------------------------ decode

@@ -37,11 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import validate_mc
-from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ImportedConfig,
-    causal_conv,
     check_mamba_ssm_blocks,
     check_positive_ints,
     config_getter,
@@ -145,33 +143,23 @@ class Mamba1Mixer(ConvSSMMixer):
         return LayerState(mc, conv)
 
     # ------------------------------------------------------------------ pieces
-    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False,
-                 keep_conv_input: bool = False):
-        """x ``(B, T, D)`` → z, xs ``(B, T, d_inner)``, q, k ``(B, T, H, N)``, gates, tail
-        (and the conv input ``(B, w - 1 + T, d_inner)`` with ``keep_conv_input``)."""
-        B, T, _ = x.shape
-        H, N, R = self.H, self.N, self.R
+    def _pre_conv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Token-wise: x ``(B, T, D)`` → z and the conv's input x, each ``(B, T, d_inner)``."""
         xs, z = self.in_proj(x).chunk(2, dim=-1)
-        w = self.conv1d.weight[:, 0]  # (d_inner, w)
-        full = None
-        if T == 1 and inplace:  # decode: conv + bias + silu in one pass, tail shifted in place
-            xs = cpu_ops.conv_step_(conv_tail, xs[:, 0], w, self.conv1d.bias, True)[:, None]
-        else:
-            full = torch.cat([conv_tail.to(xs.dtype), xs], dim=1)  # (B, w-1+T, d_inner)
-            conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-            out = causal_conv(full, w, T)
-            if self.conv1d.bias is not None:
-                out = out + self.conv1d.bias
-            xs = F.silu(out)
+        return z, xs
+
+    def _post_conv(self, z: Tensor, xs: Tensor):
+        """Token-wise: z and the conv's output xs ``(B, T, d_inner)`` → z, xs, q, k
+        ``(B, T, H, N)``, gates."""
+        B, T, _ = xs.shape
+        H, N, R = self.H, self.N, self.R
         dt, Bm, Cm = self.x_proj(xs).split([R, N, N], dim=-1)
         delta = F.softplus(up(F.linear(dt, self.dt_proj.weight)) + up(self.dt_proj.bias))
         A = -torch.exp(up(self.A_log))  # (H, N)
         k = Bm[:, :, None, :].expand(B, T, H, N)  # one key for every channel: a view
         q = Cm[:, :, None, :].expand(B, T, H, N)
         gates = {"log_a": (delta[..., None] * A).to(xs.dtype), "b": delta.to(xs.dtype)}
-        if keep_conv_input:
-            return z, xs, q, k, gates, conv_tail, full
-        return z, xs, q, k, gates, conv_tail
+        return z, xs, q, k, gates
 
     def _output(self, z: Tensor, xs: Tensor, y: Tensor) -> Tensor:
         y = y[..., 0] + xs * self.D.to(y.dtype)  # (B, T, d_inner)

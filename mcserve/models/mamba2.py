@@ -51,7 +51,14 @@ from mcserve.models.importing import (
 from mcserve.models.importing import up as _up
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
-from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
+from mcserve.models.native import (
+    LayerState,
+    RecurrentLM,
+    conv_varlen,
+    mix_sequence,
+    mix_varlen,
+    phase_runs,
+)
 from mcserve.models.packed_linear import is_packed
 
 #: used for ``segment_len`` when the checkpoint records no training length
@@ -243,10 +250,12 @@ class GatedRMSNorm(nn.Module):
 
 
 class ConvSSMMixer(nn.Module):
-    """What Mamba2's and Mamba (v1)'s mixers share: the engine-facing ``forward`` (a sequence)
-    and ``forward_paged`` (one token per row) around a subclass's ``_project`` (in_proj, the
-    short conv, the SSM's inputs; returns z, xs, q, k, gates, the new conv tail) and
-    ``_output`` (D skip, gate, out_proj). ``_values`` turns xs into the memory's values."""
+    """What Mamba2's and Mamba (v1)'s mixers share: the engine-facing ``forward`` (a sequence),
+    ``forward_varlen`` (packed sequences) and ``forward_paged`` (one token per row) around a
+    subclass's token-wise ``_pre_conv`` (in_proj: the conv's input and what the SSM takes
+    beside it), ``_conv`` (the short conv of one span from its tail, on ``conv1d``'s weights),
+    token-wise ``_post_conv`` (the SSM's inputs: z, xs, q, k, gates) and ``_output`` (D skip,
+    gate, out_proj). ``_values`` turns xs into the memory's values."""
 
     def init_memory(self) -> None:
         return None  # the memory families start from zero
@@ -254,14 +263,61 @@ class ConvSSMMixer(nn.Module):
     def _values(self, xs: Tensor) -> Tensor:
         return xs
 
+    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False,
+                 keep_conv_input: bool = False):
+        """x ``(B, T, D)`` → z, xs, q, k, gates (``_post_conv``) and the new conv tail.
+
+        ``inplace`` (decode): ``conv_tail`` is shifted in place (``kernels.cpu.conv_step_``).
+        ``keep_conv_input``: also return the conv's input ``(B, w - 1 + T, C)`` (for
+        ``fill_conv_tails``)."""
+        rest, xc = self._pre_conv(x)
+        xc, conv_tail, full = self._conv(xc, conv_tail, inplace)
+        out = self._post_conv(rest, xc)
+        return (*out, conv_tail, full) if keep_conv_input else (*out, conv_tail)
+
+    def _conv(self, xc: Tensor, conv_tail: Tensor, inplace: bool = False
+              ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Conv (``conv1d``) + bias + SiLU of one span of the conv's input ``(B, T, C)`` after
+        the tail ``(B, w - 1, C)`` → the output, the new tail and the conv's input
+        ``(B, w - 1 + T, C)`` (None when ``inplace`` and T = 1: the tail is shifted in place)."""
+        T = xc.shape[1]
+        w = self.conv1d.weight[:, 0]  # (C, w)
+        if T == 1 and inplace:  # decode: conv + bias + silu in one pass, the tail shifted in place
+            out = cpu_ops.conv_step_(conv_tail, xc[:, 0], w, self.conv1d.bias, True)[:, None]
+            return out, conv_tail, None
+        full = torch.cat([conv_tail.to(xc.dtype), xc], dim=1)  # (B, w-1+T, C)
+        conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
+        out = self._taps(full, w, T)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias
+        return F.silu(out), conv_tail, full
+
+    @staticmethod
+    def _taps(full: Tensor, w: Tensor, T: int) -> Tensor:
+        """The depthwise causal conv of the last T steps of ``full`` ``(B, w - 1 + T, C)`` with
+        ``w`` ``(C, w)``, as w shifted multiply-adds (faster than grouped conv1d on CPU)."""
+        return causal_conv(full, w, T)
+
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        record = state.mc.record
-        z, xs, q, k, gates, conv, *conv_input = self._project(
-            x, state.conv, keep_conv_input=record is not None)
-        y, mc = self.memory.forward(state.mc, q, k, self._values(xs), q, gates)
-        if record is not None:
-            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
-        return self._output(z, xs, y), LayerState(mc, conv)
+        z, xs, q, k, gates, conv, full = self._project(x, state.conv, keep_conv_input=True)
+        y, state = mix_sequence(self.memory, state, q, k, self._values(xs), q, gates, None, conv,
+                                full, self.cfg.conv_size)
+        return self._output(z, xs, y), state
+
+    def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
+                       ) -> tuple[Tensor, list[LayerState]]:
+        """Sequences packed back to back, x ``(1, sum T, D)`` with lengths ``lens``, each from
+        its own batch-of-one state: in_proj, the SSM's inputs and the output run once on the
+        packed tokens, the short conv and the memory per sequence on its slice (consecutive
+        sequences at one phase with equal lengths as one batch, ``phase_runs``). Returns
+        ``(1, sum T, D)`` and each sequence's new state; equals ``forward`` per sequence."""
+        runs = phase_runs(states, lens)
+        rest, xc = self._pre_conv(x)
+        xc, convs, fulls = conv_varlen(self._conv, xc, states, lens, runs)
+        z, xs, q, k, gates = self._post_conv(rest, xc)
+        y, states = mix_varlen(self.memory, states, lens, runs, q, k, self._values(xs), q, gates,
+                               None, convs, fulls, self.cfg.conv_size)
+        return self._output(z, xs, y), states
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
@@ -335,32 +391,26 @@ class Mamba2Mixer(ConvSSMMixer):
         return self.out_proj(y.to(self.out_proj.weight.dtype))[:, None]
 
     # ------------------------------------------------------------------ pieces
-    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False,
-                 keep_conv_input: bool = False):
-        """x ``(B, T, D)`` → z, x_h ``(B, T, H, P)``, q, k, u ``(B, T, H, N)``, gates, tail.
+    def _pre_conv(self, x: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """Token-wise: x ``(B, T, D)`` → (z ``(B, T, H·P)``, dt ``(B, T, H)``) and the conv's
+        input xBC ``(B, T, C)``."""
+        cfg = self.cfg
+        z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, self.H], dim=-1)
+        return (z, dt), xbc
 
-        ``inplace`` (decode): ``conv_tail`` is shifted in place (``kernels.cpu.conv_step_``).
-        ``keep_conv_input``: also return the conv's input ``(B, w - 1 + T, C)`` (for
-        ``fill_conv_tails``)."""
-        B, T, _ = x.shape
+    @staticmethod
+    def _taps(full: Tensor, w: Tensor, T: int) -> Tensor:
+        if T == 1:  # one product and one sum over the window
+            return (full * w.t()).sum(1, keepdim=True)
+        return causal_conv(full, w, T)
+
+    def _post_conv(self, rest: tuple[Tensor, Tensor], xbc: Tensor):
+        """Token-wise: (z, dt) and the conv's output ``(B, T, C)`` → z, x_h ``(B, T, H, P)``,
+        q, k ``(B, T, H, N)``, gates."""
+        z, dt = rest
+        B, T, _ = xbc.shape
         cfg = self.cfg
         H, P, N, G = self.H, self.P, self.N, self.G
-        z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, H], dim=-1)
-        w = self.conv1d.weight[:, 0]  # (C, w)
-        full = None
-        if T == 1 and inplace:  # decode: conv + bias + silu in one pass, the tail shifted in place
-            xbc = cpu_ops.conv_step_(conv_tail, xbc[:, 0], w, self.conv1d.bias, True)[:, None]
-        else:
-            full = torch.cat([conv_tail.to(xbc.dtype), xbc], dim=1)  # (B, w-1+T, C)
-            conv_tail = full[:, full.shape[1] - (cfg.conv_size - 1):]
-            # depthwise causal conv as w shifted multiply-adds (faster than grouped conv1d on CPU)
-            if T == 1:  # one product and one sum over the window
-                out = (full * w.t()).sum(1, keepdim=True)
-            else:
-                out = causal_conv(full, w, T)
-            if self.conv1d.bias is not None:
-                out = out + self.conv1d.bias
-            xbc = F.silu(out)
         xs, Bm, Cm = xbc.split([cfg.d_inner, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P)
         rep = H // G
@@ -378,9 +428,7 @@ class Mamba2Mixer(ConvSSMMixer):
             delta = delta * self.delta_scale
         A = -torch.exp(_up(self.A_log))  # (H,)
         gates = {"log_a": (delta * A).to(xs.dtype), "b": delta.to(xs.dtype)}
-        if keep_conv_input:
-            return z, xs, q, k, gates, conv_tail, full
-        return z, xs, q, k, gates, conv_tail
+        return z, xs, q, k, gates
 
     def _output(self, z: Tensor, xs: Tensor, y: Tensor) -> Tensor:
         B, T, H, P = xs.shape
@@ -412,6 +460,13 @@ class MambaBlock(nn.Module):
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
         h, state = self.mixer(self.norm(x.to(self.norm.weight.dtype)), state)
         return self._residual(x, h), state
+
+    def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
+                       ) -> tuple[Tensor, list[LayerState]]:
+        """Packed sequences ``(1, sum T, D)`` (see ``ConvSSMMixer.forward_varlen``)."""
+        h, states = self.mixer.forward_varlen(self.norm(x.to(self.norm.weight.dtype)), states,
+                                              lens)
+        return self._residual(x, h), states
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         return self._residual(x, self.mixer.forward_paged(

@@ -11,6 +11,7 @@ place, which makes prefix reuse and preemption a matter of keeping a reference.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,6 +68,135 @@ def fill_conv_tails(record: list[dict], conv_input: Tensor | None, pos0: int,
         if "conv" not in r:
             off = r["pos"] - pos0
             r["conv"] = None if conv_input is None else conv_input[:, off:off + conv_size - 1]
+
+
+def spans(lens: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each sequence in tokens packed back to back with lengths ``lens``."""
+    out, s = [], 0
+    for n in lens:
+        out.append((s, s + n))
+        s += n
+    return out
+
+
+def phase_runs(states: list[LayerState], lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive packed sequences whose sequence mixing runs as one batch: the same
+    number of tokens from the same phase (position, fill of the online segment, cached segments,
+    top_k override, recording checkpoints or not). Each run is (first sequence, end sequence,
+    first token, end token)."""
+    def key(i: int) -> tuple:
+        m = states[i].mc
+        return (lens[i], m.pos, m.seg_len, m.n_segments, m.num_cached, tuple(m.cached_len),
+                tuple(m.cached_pos), m.top_k, m.record is None)
+
+    runs, sp = [], spans(lens)
+    i = 0
+    for j in range(1, len(lens) + 1):
+        if j == len(lens) or key(j) != key(i):
+            runs.append((i, j, sp[i][0], sp[j - 1][1]))
+            i = j
+    return runs
+
+
+def conv_varlen(conv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | None]],
+                xc: Tensor, states: list[LayerState], lens: list[int],
+                runs: list[tuple[int, int, int, int]]
+                ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+    """A mixer's short conv ``conv(x (B, T, C), tail (B, w - 1, C)) -> (out, new tail, conv
+    input)`` over the packed ``xc`` ``(1, sum T, C)``, each sequence from its own tail, one call
+    per run of ``phase_runs`` (its sequences as rows). Returns the packed outputs
+    ``(1, sum T, C)`` and, per run, the new tails ``(B, w - 1, C)`` and the conv inputs
+    ``(B, w - 1 + T, C)`` (for ``fill_conv_tails``)."""
+    outs, tails, inputs = [], [], []
+    C = xc.shape[-1]
+    for i, j, s, e in runs:
+        B = j - i
+        tail = states[i].conv if B == 1 else torch.cat([st.conv for st in states[i:j]])
+        out, tail, full = conv(xc[:, s:e].reshape(B, lens[i], C), tail)
+        outs.append(out.reshape(1, B * lens[i], C))
+        tails.append(tail)
+        inputs.append(full)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), tails, inputs
+
+
+def mix_sequence(memory: MCMemory, state: LayerState, q: Tensor, k: Tensor, v: Tensor,
+                 u: Tensor, gates: dict[str, Tensor], init: dict[str, Tensor] | None,
+                 conv: Tensor | None, conv_input: Tensor | None, conv_size: int
+                 ) -> tuple[Tensor, LayerState]:
+    """The MC memory over one span of ``state``'s rows (q, k, u ``(B, T, H, K)``, v
+    ``(B, T, H, V)``) → y ``(B, T, H, V)`` and the layer's new state with conv tail ``conv``;
+    the checkpoints the span records (``MCLayerState.record``) get their conv tails from
+    ``conv_input`` ``(B, w - 1 + T, C)``."""
+    y, mc = memory.forward(state.mc, q, k, v, u, gates, init=init)
+    if state.mc.record is not None:
+        fill_conv_tails(state.mc.record, conv_input, state.mc.pos, conv_size)
+    return y, LayerState(mc, conv)
+
+
+def _stack_rows(states: list[MCLayerState]) -> MCLayerState:
+    """Batch-of-one MC states at one phase → one batched state (recording into a new list when
+    theirs record)."""
+    if len(states) == 1:
+        return states[0]
+    m0 = states[0]
+    return replace(
+        m0, mem={k: torch.cat([m.mem[k] for m in states]) for k in m0.mem},
+        seg_ksum=torch.cat([m.seg_ksum for m in states]),
+        cached={k: torch.cat([m.cached[k] for m in states]) for k in m0.cached},
+        cached_ksum=torch.cat([m.cached_ksum for m in states]),
+        cached_len=list(m0.cached_len), cached_pos=list(m0.cached_pos), _stack=None,
+        record=None if m0.record is None else [])
+
+
+def _row(x: Tensor | dict | object, i: int) -> Tensor | dict | object:
+    """Row i (kept as a batch of one) of every tensor in a checkpoint record's values."""
+    if isinstance(x, Tensor):
+        return x[i:i + 1]
+    if isinstance(x, dict):
+        return {k: _row(t, i) for k, t in x.items()}
+    return x
+
+
+def _split_rows(ls: LayerState, states: list[LayerState]) -> list[LayerState]:
+    """A batched layer state → one batch-of-one state per row; row i's checkpoint records go
+    into ``states[i]``'s record list (the list its caller handed in)."""
+    if len(states) == 1:
+        return [ls]
+    out = []
+    for i, st in enumerate(states):
+        mc = ls.mc.map_tensors(lambda t, i=i: t[i:i + 1])
+        if ls.mc.record is not None:
+            st.mc.record.extend(_row(r, i) for r in ls.mc.record)
+            mc.record = st.mc.record
+        out.append(LayerState(mc, None if ls.conv is None else ls.conv[i:i + 1]))
+    return out
+
+
+def mix_varlen(memory: MCMemory, states: list[LayerState], lens: list[int],
+               runs: list[tuple[int, int, int, int]], q: Tensor, k: Tensor, v: Tensor,
+               u: Tensor, gates: dict[str, Tensor], init: dict[str, Tensor] | None,
+               convs: list[Tensor | None], conv_inputs: list[Tensor | None], conv_size: int
+               ) -> tuple[Tensor, list[LayerState]]:
+    """``mix_sequence`` over the packed q, k, u ``(1, sum T, H, K)``, v ``(1, sum T, H, V)`` and
+    gates ``(1, sum T, H, ...)``, each sequence from its own batch-of-one state, one call per
+    run of ``phase_runs`` (its sequences as rows; ``convs``/``conv_inputs`` per run, from
+    ``conv_varlen``). Returns the packed y ``(1, sum T, H, V)`` and each sequence's new layer
+    state."""
+    ys, out = [], []
+    for r, (i, j, s, e) in enumerate(runs):
+        B, T = j - i, lens[i]
+
+        def rows(t: Tensor, s: int = s, e: int = e, B: int = B, T: int = T) -> Tensor:
+            return t[:, s:e].reshape(B, T, *t.shape[2:])  # (B, T, ...)
+
+        st = LayerState(_stack_rows([ls.mc for ls in states[i:j]]), None)
+        qr = rows(q)
+        y, ls = mix_sequence(memory, st, qr, rows(k), rows(v), qr if u is q else rows(u),
+                             {g: rows(t) for g, t in gates.items()}, init, convs[r],
+                             conv_inputs[r], conv_size)
+        ys.append(y.reshape(1, B * T, *y.shape[2:]))
+        out += _split_rows(ls, states[i:j])
+    return (ys[0] if len(ys) == 1 else torch.cat(ys, 1)), out
 
 
 class RMSNorm(nn.Module):
@@ -181,22 +311,35 @@ class MCMixer(nn.Module):
         """x ``(B, T, D)`` → q, k, v, u ``(B, T, H, K)``, gates, and the new conv tail; with
         ``keep_conv_input`` also the conv's input ``(B, w - 1 + T, 3HK)`` (None without a conv),
         from which ``fill_conv_tails`` cuts the tail at each recorded checkpoint."""
+        qkv = self.qkv(x)  # (B, T, 3HK)
+        full = None
+        if self.conv is not None:
+            qkv, conv_tail, full = self._conv(qkv, conv_tail)
+        q, k, v, u, gates = self._heads(x, qkv)
+        if keep_conv_input:
+            return q, k, v, u, gates, conv_tail, full
+        return q, k, v, u, gates, conv_tail
+
+    def _conv(self, qkv: Tensor, conv_tail: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The short causal conv + SiLU of one span of qkv ``(B, T, 3HK)`` after the conv tail
+        ``(B, w - 1, 3HK)`` → the output ``(B, T, 3HK)``, the new tail and the conv's input
+        ``(B, w - 1 + T, 3HK)``."""
+        full = torch.cat([conv_tail, qkv], dim=1)  # (B, w-1+T, 3HK)
+        conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
+        # depthwise causal conv as w shifted multiply-adds: torch's grouped conv1d is orders of
+        # magnitude slower on CPU for these shapes (and in float64)
+        return F.silu(causal_conv(full, self.conv.weight[:, 0], qkv.shape[1])), conv_tail, full
+
+    def _heads(self, x: Tensor, qkv: Tensor):
+        """Token-wise: x ``(B, T, D)`` and the conv's output ``(B, T, 3HK)`` → q, k, v, u
+        ``(B, T, H, K)`` (q and k normalised) and the gates."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv = self.qkv(x)  # (B, T, 3HK)
-        if self.conv is not None:
-            full = torch.cat([conv_tail, qkv], dim=1)  # (B, w-1+T, 3HK)
-            conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-            # depthwise causal conv as w shifted multiply-adds: torch's grouped conv1d is
-            # orders of magnitude slower on CPU for these shapes (and in float64)
-            qkv = F.silu(causal_conv(full, self.conv.weight[:, 0], T))
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
         q = F.normalize(q, dim=-1)
         k = F.normalize(k, dim=-1)
         u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
-        if keep_conv_input:
-            return q, k, v, u, self.gates(x), conv_tail, full if self.conv is not None else None
-        return q, k, v, u, self.gates(x), conv_tail
+        return q, k, v, u, self.gates(x)
 
     def _decode_weights(self) -> tuple[Tensor, Tensor | None]:
         """The projections of x (qkv, u, g, gates) stacked into one weight, so decode reads
@@ -280,12 +423,28 @@ class MCMixer(nn.Module):
         return self.o_proj(y)
 
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        record = state.mc.record
-        q, k, v, u, gates, conv, *conv_input = self._project(x, state.conv, record is not None)
-        y, mc = self.memory.forward(state.mc, q, k, v, u, gates, init=self.init_memory())
-        if record is not None:
-            fill_conv_tails(record, conv_input[0], state.mc.pos, self.cfg.conv_size)
-        return self._output(x, y), LayerState(mc, conv)
+        q, k, v, u, gates, conv, full = self._project(x, state.conv, keep_conv_input=True)
+        y, state = mix_sequence(self.memory, state, q, k, v, u, gates, self.init_memory(), conv,
+                                full, self.cfg.conv_size)
+        return self._output(x, y), state
+
+    def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
+                       ) -> tuple[Tensor, list[LayerState]]:
+        """Sequences packed back to back, x ``(1, sum T, D)`` with lengths ``lens``, each from
+        its own batch-of-one state: the projections, gates and output run once on the packed
+        tokens, the short conv and the memory per sequence on its slice (consecutive sequences
+        at one phase with equal lengths as one batch, ``phase_runs``). Returns
+        ``(1, sum T, D)`` and each sequence's new state; equals ``forward`` per sequence."""
+        runs = phase_runs(states, lens)
+        qkv = self.qkv(x)  # (1, L, 3HK)
+        convs: list[Tensor | None] = [None] * len(runs)
+        fulls: list[Tensor | None] = [None] * len(runs)
+        if self.conv is not None:
+            qkv, convs, fulls = conv_varlen(self._conv, qkv, states, lens, runs)
+        q, k, v, u, gates = self._heads(x, qkv)
+        y, states = mix_varlen(self.memory, states, lens, runs, q, k, v, u, gates,
+                               self.init_memory(), convs, fulls, self.cfg.conv_size)
+        return self._output(x, y), states
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
@@ -319,17 +478,26 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
+    def _residual(self, x: Tensor, h: Tensor) -> Tensor:
+        """The mixer's output ``h`` added to the stream, then the MLP's."""
+        x = x + h
+        return x + self.mlp(self.norm2(x))
+
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
         h, state = self.mixer(self.norm1(x), state)
-        x = x + h
-        return x + self.mlp(self.norm2(x)), state
+        return self._residual(x, h), state
+
+    def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
+                       ) -> tuple[Tensor, list[LayerState]]:
+        """Packed sequences ``(1, sum T, D)`` (see ``MCMixer.forward_varlen``)."""
+        h, states = self.mixer.forward_varlen(self.norm1(x), states, lens)
+        return self._residual(x, h), states
 
     def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
         fused = self._fused_decode(x, pl)
         if fused is not None:
             return fused
-        x = x + self.mixer.forward_paged(self.norm1(x), pl)
-        return x + self.mlp(self.norm2(x))
+        return self._residual(x, self.mixer.forward_paged(self.norm1(x), pl))
 
     @staticmethod
     def _fused_variant(mc: MCConfig) -> int | None:
@@ -437,6 +605,51 @@ class RecurrentLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self._head(x), replace(state, layers=new_layers)
+
+    @property
+    def packs_varlen(self) -> bool:
+        """Whether ``forward_varlen`` runs the sequences packed: every block has a
+        ``forward_varlen(x, layer_states, lens)``."""
+        return all(callable(getattr(blk, "forward_varlen", None)) for blk in self.layers)
+
+    def forward_varlen(self, input_ids: Tensor, states: list[ModelState], lens: list[int]
+                       ) -> tuple[Tensor, list[ModelState]]:
+        """Several sequences in one call, their tokens packed back to back: input_ids
+        ``(1, sum T)``, sequence i has ``lens[i]`` tokens and continues from ``states[i]`` (a
+        batch-of-one state, at any position). Returns the last position's logits of each
+        sequence ``(n, vocab)`` and each sequence's new state; the same as ``forward`` on each
+        sequence alone (``last_only``).
+
+        With ``packs_varlen`` the token-wise work (embedding, norms, projections, MLPs, the LM
+        head on the n last positions) runs once over the packed tokens and only the sequence
+        mixing (short conv, MC memory) per sequence on its slice, consecutive sequences at one
+        phase with equal lengths as one batch (``phase_runs``: put such sequences next to each
+        other); otherwise the call runs ``forward`` on each sequence in turn. A checkpoint list
+        in a layer's ``MCLayerState.record`` gets that sequence's checkpoints. The tensors of
+        ``states`` are not modified.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be (1, tokens), got shape {tuple(input_ids.shape)}")
+        if len(states) != len(lens) or not lens or min(lens) < 1 \
+                or sum(lens) != input_ids.shape[1]:
+            raise ValueError(f"lens {lens} must be one positive length per state "
+                             f"({len(states)}) summing to {input_ids.shape[1]} tokens")
+        if not self.packs_varlen:
+            rows, new_states = [], []
+            for (s, e), st in zip(spans(lens), states, strict=True):
+                logits, st = self(input_ids[:, s:e], st, last_only=True)
+                rows.append(logits[0, -1])
+                new_states.append(st)
+            return torch.stack(rows), new_states
+        x = self.embed(input_ids)  # (1, L, D)
+        per_layer = []  # [layer][sequence]
+        for li, blk in enumerate(self.layers):
+            x, lss = blk.forward_varlen(x, [st.layers[li] for st in states], lens)
+            per_layer.append(lss)
+        last = torch.tensor([e - 1 for _, e in spans(lens)], device=x.device)
+        logits = self._head(x[:, last])[0]  # (n, V)
+        return logits, [replace(st, layers=[lss[i] for lss in per_layer])
+                        for i, st in enumerate(states)]
 
     def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
         """Decode one token for each row of a ragged batch: input_ids ``(B, 1)`` → ``(B, 1, V)``.
