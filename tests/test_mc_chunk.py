@@ -176,3 +176,25 @@ def test_select_partial_equals_the_stable_sort(top_k):
 
         assert finite(got) == finite(want)
         assert torch.equal(r.gather(-1, got).sort(-1).values, r.gather(-1, want).sort(-1).values)
+
+
+@pytest.mark.parametrize("variant", ["grm", "ssc"])
+def test_chunk_cpu_tiling_equals_naive_twin(monkeypatch, variant):
+    """The CPU readout (weights folded into the GEMM's left operand) over several token tiles,
+    checkpoint blocks of 3 and a last partial tile and block; same results as the naive twin."""
+    monkeypatch.setattr(mc_chunk, "_TOKEN_TILE", 16)
+    monkeypatch.setattr(mc_chunk, "_X_BLOCK", 3)
+    gen = torch.Generator().manual_seed(9)
+    B, T, H, K, V, C = 2, 53, 3, 8, 5, 4
+    q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float64)
+    st = dict(initial_state=torch.randn(B, H, K, V, generator=gen, dtype=torch.float64),
+              initial_ksum=torch.randn(B, H, K, generator=gen, dtype=torch.float64),
+              initial_fill=1,
+              cached=torch.randn(B, 8, H, K, V, generator=gen, dtype=torch.float64),
+              cached_ksum=torch.randn(B, 8, H, K, generator=gen, dtype=torch.float64) * 4,
+              n_segments=8)
+    mc = MCConfig(variant=variant, segment_len=C, top_k=40)  # ssc: dense (N < 4·top_k)
+    got = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
+    want = mc_linear_chunk_naive(q, k, v, u, log_a, b, mc=mc, **st)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
