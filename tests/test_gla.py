@@ -67,3 +67,24 @@ def test_linear_step_inplace_matches_scan(gated):
     o = fam.step_({"S": view}, q, k, v, gates)
     assert torch.allclose(o, want_o, rtol=1e-12, atol=1e-12)
     assert torch.allclose(pool[1:B + 1], want["S"], rtol=1e-12, atol=1e-12)  # written in place
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_chunk_state_groups_match_naive(monkeypatch, gated):
+    # start states read out a group of chunks at a time: groups of one and of two chunks (the
+    # last group partial) give the same result as holding them all
+    from mcserve.kernels import gla
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 2, 45, 3, 4, 6
+    q, k = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    log_a = -torch.rand(B, T, H, generator=g, dtype=torch.float64) if gated else None
+    b = torch.rand(B, T, H, generator=g, dtype=torch.float64) if gated else None
+    s0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
+    o_ref, s_ref = naive_gla(q, k, v, log_a, b, s0)
+    for chunks in (1, 2):
+        monkeypatch.setattr(gla, "_GROUP_BYTES", chunks * B * 8 * H * V * 8)
+        o, s = chunk_gla(q, k, v, log_a, b, s0, chunk_size=8)
+        assert _rel(o, o_ref) < 1e-10
+        assert _rel(s, s_ref) < 1e-10

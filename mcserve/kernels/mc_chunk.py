@@ -33,7 +33,7 @@ from torch import Tensor
 
 from mcserve.config import MCConfig
 from mcserve.kernels import dispatch
-from mcserve.kernels.gla import chunk_gla, naive_gla
+from mcserve.kernels.gla import chunk_gla_ends, naive_gla
 
 _TOKEN_TILE = 256  # tokens per GEMM in the cached readout
 # checkpoints per GEMM: the CPU's weighted operand X (tile, block·K) stays cache-sized at
@@ -118,7 +118,9 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
     (``(L_tile, n, V)``) and weighting after costs a second pass over a large temporary and ran
     at half the GEMM's rate (``_readout_reads``, the form GPUs take).
     """
-    if _big_tiles(q):
+    if _big_tiles(q) or (torch.is_grad_enabled()
+                         and (S.requires_grad or q.requires_grad or w.requires_grad)):
+        # GPUs; training (the in-place accumulation into a reused buffer has no backward)
         return _readout_reads(S, q, w, n_carried, segment_len)
     B, L, H, K = q.shape
     N, V = S.shape[1], S.shape[-1]
@@ -194,32 +196,15 @@ def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
 def _online_torch(qf: Tensor, kf: Tensor, vf: Tensor, laf: Tensor | None, bf: Tensor | None,
                   initial_state: Tensor, mc: MCConfig) -> tuple[Tensor, Tensor]:
     """Online readout of every token and the state at the end of every segment, for the
-    segment-folded span ``(B, G, C, H, ·)``: one chunked scan of all segments from zero at once,
-    then a short scan over segments carries (checkpoint mode) or restarts (independent mode) the
-    state, and each token adds its segment's start state, decayed. Returns o ``(B, G, C, H, V)``
-    and S_end ``(B, G, H, K, V)``."""
+    segment-folded span ``(B, G, C, H, ·)``: the chunked scan with the segments as its chunks
+    (``chunk_gla_ends``; in independent mode each segment after the first starts from zero).
+    Returns o ``(B, G, C, H, V)`` and S_end ``(B, G, H, K, V)``."""
     B, G, C, H, K = qf.shape
     V = vf.shape[-1]
-    flat = lambda x: None if x is None else x.reshape((B * G,) + x.shape[2:])  # noqa: E731
-    o_loc, D = chunk_gla(flat(qf), flat(kf), flat(vf), flat(laf), flat(bf),
-                         qf.new_zeros(B * G, H, K, V))
-    o_loc, D = o_loc.view(B, G, C, H, V), D.view(B, G, H, K, V)
-    if laf is None:
-        Acum = qf.new_zeros(B, G, C, H)
-    else:
-        Acum = laf.cumsum(2)  # (B, G, C, H) log decay from the segment start to each token
-    decay_seg = Acum[:, :, -1].exp()  # (B, G, H) decay over a whole segment
-    starts, ends = [], []
-    S = initial_state
-    for g in range(G):  # the only loop: two small ops per segment on (B, H, K, V)
-        if g and mc.independent:
-            S = torch.zeros_like(S)
-        starts.append(S)
-        S = S * decay_seg[:, g, :, None, None] + D[:, g]
-        ends.append(S)
-    S_start = torch.stack(starts, 1)  # (B, G, H, K, V)
-    o = o_loc + torch.einsum("bgchk,bghkv->bgchv", qf * Acum.exp()[..., None], S_start)
-    return o, torch.stack(ends, 1)
+    flat = lambda x: None if x is None else x.reshape((B, G * C) + x.shape[3:])  # noqa: E731
+    o, S_end = chunk_gla_ends(flat(qf), flat(kf), flat(vf), flat(laf), flat(bf), initial_state,
+                              C, restart=mc.independent)
+    return o.view(B, G, C, H, V), S_end
 
 
 def mc_linear_chunk(
