@@ -341,3 +341,25 @@ def test_isa_choice_and_build_name(monkeypatch, env, flags, want, noted, march):
     # each ISA builds under its own name, so switching never loads another's build
     assert (want in name) == (want != "native")
     assert cpu._src_tag() in name
+
+
+@pytest.mark.parametrize("R,N", [(1, 1), (37, 11), (5, 513)], ids=["one", "odd", "long"])
+def test_topk_later_matches_twin(R, N):
+    # the one-pass selection against the stable sort: same indices in the same order (largest
+    # first, the later index first among equal values), with many ties and -inf entries
+    g = torch.Generator().manual_seed(R * N)
+    for scale in (0.0, 1.0):  # integer scores (ties everywhere), then distinct ones
+        r = torch.randint(0, 5, (R, N), generator=g).float() + scale * torch.rand(R, N, generator=g)
+        r[: R // 2, N // 2:] = float("-inf")
+        for k in sorted({1, min(3, N), N}):
+            got = cpu.ops().topk_later(r, k)
+            assert torch.equal(got, twins.topk_later(r, k)), (k, scale)
+            assert torch.equal(cpu.topk_later(r, k), got)
+    strided = torch.randn(N, 2 * R, generator=g).t()[::2]  # rows with a stride, not contiguous
+    if N > 1:
+        with pytest.raises(RuntimeError, match="unit column stride"):
+            cpu.ops().topk_later(strided, 1)
+    with pytest.raises(RuntimeError, match="k must be"):
+        cpu.ops().topk_later(r, N + 1)
+    with pytest.raises(ValueError, match="k must be"):
+        twins.topk_later(r, 0)

@@ -9,6 +9,7 @@ import torch
 
 from mcserve.config import MCConfig
 from mcserve.kernels import mc_chunk, reference
+from mcserve.kernels.cpu import twins
 from mcserve.kernels.mc_chunk import mc_linear_chunk, mc_linear_chunk_naive
 
 VARIANTS = ("grm", "soup", "ssc", "residual", "post")
@@ -156,17 +157,19 @@ def test_chunk_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 5])
-def test_select_partial_equals_the_stable_sort(top_k):
-    """``_select`` (topk, then the stable sort only where a finite score ties at a row's
-    threshold) picks what the stable sort picks: the same finite checkpoints, ties to the later
-    one; among -inf scores any pick will do (zero weight)."""
+@pytest.mark.parametrize("select", ["cpu", "partial"])
+def test_select_equals_the_stable_sort(top_k, select):
+    """``_select`` (the CPU's one-pass selection, or topk then the stable sort only where a
+    finite score ties at a row's threshold) picks what the stable sort picks: the same finite
+    checkpoints, ties to the later one; among -inf scores any pick will do (zero weight)."""
     gen = torch.Generator().manual_seed(top_k)
+    fn = mc_chunk._select if select == "cpu" else mc_chunk._select_partial
     for scale in (0.0, 1e6):  # integer scores (many ties), then almost surely none
-        r = torch.randint(0, 4, (2, 19, 3, 11), generator=gen).double()
-        r = r + scale * torch.rand(r.shape, generator=gen, dtype=torch.float64)
+        r = torch.randint(0, 4, (2, 19, 3, 11), generator=gen).float()
+        r = r + scale * torch.rand(r.shape, generator=gen)
         r[:, :7, :, 6:] = float("-inf")  # early tokens see 6 checkpoints
-        got = mc_chunk._select(r, top_k)
-        want = mc_chunk._select_stable(r, top_k)
+        got = fn(r, top_k)
+        want = twins.topk_later(r.reshape(-1, 11), top_k).view(2, 19, 3, top_k)
         assert got.shape == want.shape == (2, 19, 3, top_k)
         scores = r.reshape(-1, 11).tolist()
 

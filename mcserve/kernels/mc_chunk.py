@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from mcserve.config import MCConfig
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels import dispatch
 from mcserve.kernels.gla import chunk_gla_ends, naive_gla
 
@@ -86,23 +87,25 @@ def _select(r: Tensor, top_k: int) -> Tensor:
     """Indices of the top_k scores along the last dim of ``r`` (B, L, H, N), ties to the later
     one; ``(B, L, H, top_k)``.
 
-    A partial selection (``topk``), several times cheaper than sorting every row; its choice
-    among equal scores is unspecified, so where a finite score ties at a row's threshold the
-    stable sort decides (``_select_stable``). Ties among -inf scores (checkpoints a token cannot
-    see) need no rule: whichever is picked gets weight zero."""
+    On the CPU one C++ pass per row (``cpu_ops.topk_later``). Elsewhere a partial selection
+    (``topk``), several times cheaper than sorting every row; its choice among equal scores is
+    unspecified, so where a finite score ties at a row's threshold the stable sort decides
+    (``topk_later``'s twin). Ties among -inf scores (checkpoints a token cannot see) need no
+    rule: whichever is picked gets weight zero."""
+    N = r.shape[-1]
+    if r.is_cpu:
+        return cpu_ops.topk_later(r.reshape(-1, N), top_k).view(r.shape[:-1] + (top_k,))
+    return _select_partial(r, top_k)
+
+
+def _select_partial(r: Tensor, top_k: int) -> Tensor:
+    """``_select`` off the CPU (``topk``, the stable sort only on finite ties)."""
     vals, idx = torch.topk(r, top_k, dim=-1, sorted=False)
     thresh = vals.amin(-1, keepdim=True)
     tied = ((r >= thresh).sum(-1, keepdim=True) > top_k) & (thresh > float("-inf"))
     if bool(tied.any()):
-        return _select_stable(r, top_k)
+        return cpu_ops.twins.topk_later(r, top_k)
     return idx
-
-
-def _select_stable(r: Tensor, top_k: int) -> Tensor:
-    """``_select`` by a stable sort of whole rows: exact tie rule, the later checkpoint wins."""
-    N = r.shape[-1]
-    order = torch.sort(r.flip(-1), dim=-1, descending=True, stable=True).indices[..., :top_k]
-    return N - 1 - order
 
 
 def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int
@@ -182,6 +185,13 @@ def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
     """
     B, N, H, K, V = S.shape
     L, k = q.shape[1], idx.shape[-1]
+    if cpu_ops.readout_paged_takes(S, q, w):
+        # the C++ pool readout walks each (token, head)'s picks in place: S as a pool of B·N
+        # blocks, one row per token, ids and weights read through strides
+        ids = idx + (torch.arange(B, device=q.device) * N)[:, None, None, None]
+        y = cpu_ops.readout_paged(S.view(B * N, H, K, V), ids.view(B * L, H, k).transpose(1, 2),
+                                  q.reshape(B * L, H, K), w.reshape(B * L, H, k).transpose(1, 2))
+        return y.view(B, L, H, V)
     b = torch.arange(B, device=q.device)[:, None, None, None]
     h = torch.arange(H, device=q.device)[None, None, :, None]
     base = ((b * N + idx) * H + h) * K  # (B, L, H, k) first row of each picked state

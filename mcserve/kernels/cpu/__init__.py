@@ -305,12 +305,25 @@ def gla_vec_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | No
     return m.gla_vec_step_(S, q, k, v, log_a, b)
 
 
+def readout_paged_takes(pool: Tensor, q: Tensor, w: Tensor) -> bool:
+    """Whether ``readout_paged`` runs the C++ op for these inputs (else its twin)."""
+    return ops() is not None and _f32_cpu(pool, q, w) and pool.is_contiguous()
+
+
 def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
     """Weighted readout of pool blocks (twin ``twins.readout_paged``)."""
-    m = ops()
-    if m is None or not _f32_cpu(pool, q, w) or not pool.is_contiguous():
+    if not readout_paged_takes(pool, q, w):
         return twins.readout_paged(pool, ids, q, w)
-    return m.readout_paged(pool, ids, q, w)
+    return ops().readout_paged(pool, ids, q, w)
+
+
+def topk_later(r: Tensor, k: int) -> Tensor:
+    """Indices of each row's k largest entries of r ``(R, N)``, largest first, ties to the
+    later index (twin ``twins.topk_later``). r holds no NaN."""
+    m = ops()
+    if m is None or not _f32_cpu(r) or r.dim() != 2 or r.stride(-1) != 1:
+        return twins.topk_later(r, k)
+    return m.topk_later(r, k)
 
 
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,

@@ -510,6 +510,44 @@ torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
   return y;
 }
 
+// Indices of the k largest entries of each row of r (R, N), largest first; among equal values
+// the later index ranks first (the most recent checkpoint). One pass per row keeps the k best in
+// a small sorted list: a new entry only has to beat the list's last (worst) one, so a row costs
+// about N comparisons. → (R, k) int64.
+torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
+  check_f32(r, "r");
+  TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1, "topk_later: r (R, N) with unit column stride");
+  const int64_t R = r.size(0), N = r.size(1), rs = r.stride(0);
+  TORCH_CHECK(k >= 1 && k <= N, "topk_later: k must be in [1, N], got k=", k, ", N=", N);
+  auto idx = torch::empty({R, k}, r.options().dtype(torch::kInt64));
+  const float* rp = r.data_ptr<float>();
+  int64_t* op = idx.data_ptr<int64_t>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> bv(k);
+    std::vector<int64_t> bi(k);
+    for (int64_t row = r0; row < r1; ++row) {
+      const float* x = rp + row * rs;
+      int64_t m = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = x[n];
+        if (m == k && !(v >= bv[k - 1])) continue;  // not better than the worst kept
+        // position: before every kept entry with a value <= v (n is later than all of them)
+        int64_t p = m < k ? m : k - 1;
+        while (p > 0 && bv[p - 1] <= v) {
+          bv[p] = bv[p - 1];
+          bi[p] = bi[p - 1];
+          --p;
+        }
+        bv[p] = v;
+        bi[p] = n;
+        if (m < k) ++m;
+      }
+      std::copy(bi.begin(), bi.end(), op + row * k);
+    }
+  });
+  return idx;
+}
+
 // Depthwise causal conv of one token, in place on the tail: out = act(Σ_j w[:, j]·window_j + bias)
 // where window = [tail (B, W-1, C); x (B, C)]; the tail then shifts by one (x enters last).
 // weight (C, W); act: silu when `silu`, else identity. Returns out (B, C).
@@ -1002,6 +1040,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rwkv7_step_", &rwkv7_step_, "one token of RWKV-7's generalised delta rule, in place");
   m.def("gla_vec_step_", &gla_vec_step_, "one token of vector-gated linear attention, in place");
   m.def("readout_paged", &readout_paged, "weighted readout of pool blocks");
+  m.def("topk_later", &topk_later, "indices of each row's k largest, ties to the later");
   m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");
   m.def("rms_norm", &rms_norm, "grouped RMSNorm, optionally gated by silu(z)");
   m.def("mc_scores_", &mc_scores_, "MC routing scores of one token; seg_ksum += k in place");

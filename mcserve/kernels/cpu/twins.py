@@ -93,6 +93,16 @@ def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
     return torch.einsum("bnh,bhk,bnhkv->bhv", w, q, S)
 
 
+def topk_later(r: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of each row of r ``(R, N)``, largest first, the later
+    index first among equal values (a stable sort of the reversed row) → ``(R, k)`` int64."""
+    N = r.shape[-1]
+    if not 1 <= k <= N:
+        raise ValueError(f"topk_later: k must be in [1, N], got k={k}, N={N}")
+    order = torch.sort(r.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    return N - 1 - order
+
+
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                silu: bool) -> Tensor:
     """tail ``(B, W-1, C)``, x ``(B, C)``, weight ``(C, W)`` → act(conv) ``(B, C)``; the tail
