@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from mcserve.config import validate_mc
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
+    ConvInput,
     GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
@@ -216,14 +217,12 @@ class DeltaMixer(nn.Module):
 
         qkv ``(B, T, C)``, tail ``(B, w - 1, C)`` → conv output (before activations), the new
         tail, and the conv input with the old tail in front ``(B, w - 1 + T, C)``."""
-        T = qkv.shape[1]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
-        full = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # (B, w-1+T, C)
-        new_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-        out = causal_conv(full, w, T)
+        full = ConvInput(tail.to(qkv.dtype), qkv)  # [tail; qkv] (B, w-1+T, C)
+        out = causal_conv(full, w)
         if self.cfg.conv_bias:
-            out = out + torch.cat([self.q_conv1d.bias, self.k_conv1d.bias, self.v_conv1d.bias])
-        return out, new_tail, full
+            out += torch.cat([self.q_conv1d.bias, self.k_conv1d.bias, self.v_conv1d.bias])
+        return out, full.new_tail(), full
 
     def _project(self, x: Tensor, conv_tail: Tensor | None):
         """x ``(B, T, D)`` → q, k ``(B, T, H, K)``, v ``(B, T, H, V)``, gates, the new conv tail

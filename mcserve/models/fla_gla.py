@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from mcserve.config import validate_mc
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
+    ConvInput,
     GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
@@ -215,9 +216,9 @@ class GLAMixer(nn.Module):
         if conv_tail is not None:
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
             w = w[:, 0]  # (C, W)
-            full = torch.cat([conv_tail.to(qkv.dtype), qkv], dim=1)  # (B, W-1+T, C)
-            conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-            qkv = F.silu(causal_conv(full, w, T))
+            full = ConvInput(conv_tail.to(qkv.dtype), qkv)  # [tail; qkv] (B, W-1+T, C)
+            conv_tail = full.new_tail()
+            qkv = F.silu(causal_conv(full, w), inplace=True)
         q, k, v = qkv.split(self.widths, dim=-1)
         gk = self.gk_proj(x)
         q = q.reshape(B, T, H, K)

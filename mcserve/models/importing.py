@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -216,16 +216,45 @@ def up(x: Tensor) -> Tensor:
     return x.float() if x.element_size() < 4 else x
 
 
-def causal_conv(full: Tensor, w: Tensor, T: int) -> Tensor:
-    """Depthwise causal conv of the last ``T`` steps as ``W`` shifted multiply-adds (faster than
-    a grouped conv1d on CPU): ``full`` ``(B, W - 1 + T, C)`` (the old tail in front), ``w``
-    ``(C, W)`` → ``(B, T, C)``, without bias."""
+class ConvInput(NamedTuple):
+    """A short conv's input over a span, the previous tail ``(B, W - 1, C)`` in front of the
+    span's ``x`` ``(B, T, C)``, kept as the two parts: concatenating them copied the whole span
+    once per layer (4% of a long prefill) only to read it back shifted."""
+
+    tail: Tensor
+    x: Tensor
+
+    def rows(self, start: int, n: int) -> Tensor:
+        """Rows ``[start, start + n)`` of ``[tail; x]`` ``(B, n, C)`` (a view unless the range
+        straddles the two parts)."""
+        w1 = self.tail.shape[1]
+        if start >= w1:
+            return self.x[:, start - w1:start - w1 + n]
+        if start + n <= w1:
+            return self.tail[:, start:start + n]
+        return torch.cat([self.tail[:, start:], self.x[:, :start + n - w1]], 1)
+
+    def new_tail(self) -> Tensor:
+        """The last ``W - 1`` rows: the tail the next span continues from."""
+        return self.rows(self.x.shape[1], self.tail.shape[1])
+
+
+def causal_conv(inp: ConvInput, w: Tensor) -> Tensor:
+    """Depthwise causal conv of the span: ``w`` ``(C, W)`` → ``(B, T, C)``, without bias, as
+    ``W`` shifted multiply-adds (faster than a grouped conv1d on CPU): out[t] = Σ_j w[:, j]·
+    [tail; x][t + j]; tap j reads x shifted by s = W - 1 - j, and the tail for t < s."""
+    tail, x = inp
+    T, W = x.shape[1], w.shape[1]
     # the taps as contiguous rows (a strided column of w broadcast over (B, T, C) takes torch's
     # slow elementwise path, 5-10x slower at C = 768), each added in one fused pass
     wt = w.t().contiguous()  # (W, C)
-    out = full[:, :T] * wt[0]
-    for j in range(1, wt.shape[0]):
-        out.addcmul_(full[:, j:j + T], wt[j])
+    out = x * wt[W - 1]
+    for j in range(W - 1):
+        s = W - 1 - j
+        if s < T:
+            out[:, s:].addcmul_(x[:, :T - s], wt[j])
+        m = min(s, T)
+        out[:, :m].addcmul_(tail[:, j:j + m], wt[j])
     return out
 
 

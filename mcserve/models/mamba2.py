@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from mcserve.config import validate_mc
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.importing import (
+    ConvInput,
     ImportedConfig,
     RebuildsUnderMC,
     causal_conv,
@@ -285,18 +286,17 @@ class ConvSSMMixer(nn.Module):
         if T == 1 and inplace:  # decode: conv + bias + silu in one pass, the tail shifted in place
             out = cpu_ops.conv_step_(conv_tail, xc[:, 0], w, self.conv1d.bias, True)[:, None]
             return out, conv_tail, None
-        full = torch.cat([conv_tail.to(xc.dtype), xc], dim=1)  # (B, w-1+T, C)
-        conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
-        out = self._taps(full, w, T)
+        full = ConvInput(conv_tail.to(xc.dtype), xc)  # [tail; xc] (B, w-1+T, C)
+        out = self._taps(full, w)
         if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias
-        return F.silu(out), conv_tail, full
+            out += self.conv1d.bias
+        return F.silu(out, inplace=True), full.new_tail(), full
 
     @staticmethod
-    def _taps(full: Tensor, w: Tensor, T: int) -> Tensor:
-        """The depthwise causal conv of the last T steps of ``full`` ``(B, w - 1 + T, C)`` with
-        ``w`` ``(C, w)``, as w shifted multiply-adds (faster than grouped conv1d on CPU)."""
-        return causal_conv(full, w, T)
+    def _taps(full: ConvInput, w: Tensor) -> Tensor:
+        """The depthwise causal conv of the span with ``w`` ``(C, w)``, as w shifted
+        multiply-adds (faster than grouped conv1d on CPU)."""
+        return causal_conv(full, w)
 
     def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
         z, xs, q, k, gates, conv, full = self._project(x, state.conv, keep_conv_input=True)
@@ -399,10 +399,10 @@ class Mamba2Mixer(ConvSSMMixer):
         return (z, dt), xbc
 
     @staticmethod
-    def _taps(full: Tensor, w: Tensor, T: int) -> Tensor:
-        if T == 1:  # one product and one sum over the window
-            return (full * w.t()).sum(1, keepdim=True)
-        return causal_conv(full, w, T)
+    def _taps(full: ConvInput, w: Tensor) -> Tensor:
+        if full.x.shape[1] == 1:  # one product and one sum over the window
+            return (torch.cat(list(full), 1) * w.t()).sum(1, keepdim=True)
+        return causal_conv(full, w)
 
     def _post_conv(self, rest: tuple[Tensor, Tensor], xbc: Tensor):
         """Token-wise: (z, dt) and the conv's output ``(B, T, C)`` → z, x_h ``(B, T, H, P)``,

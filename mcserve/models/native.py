@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from mcserve.config import MCConfig, ModelConfig
 from mcserve.kernels import cpu as cpu_ops
-from mcserve.models.importing import causal_conv
+from mcserve.models.importing import ConvInput, causal_conv
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 from mcserve.models.packed_linear import is_packed
@@ -58,16 +58,16 @@ class ModelState:
         ])
 
 
-def fill_conv_tails(record: list[dict], conv_input: Tensor | None, pos0: int,
+def fill_conv_tails(record: list[dict], conv_input: ConvInput | None, pos0: int,
                     conv_size: int) -> None:
     """Give each checkpoint recorded in a span (``MCLayerState.record``) its conv tail: the last
-    ``conv_size - 1`` conv inputs up to its position. ``conv_input`` ``(B, w - 1 + T, C)`` is the
-    span's input with the previous tail in front, for a span starting at ``pos0``; None (no
-    conv) leaves the records without one."""
+    ``conv_size - 1`` conv inputs up to its position. ``conv_input`` is the span's input with
+    the previous tail in front, for a span starting at ``pos0``; None (no conv) leaves the
+    records without one."""
     for r in record:
         if "conv" not in r:
             off = r["pos"] - pos0
-            r["conv"] = None if conv_input is None else conv_input[:, off:off + conv_size - 1]
+            r["conv"] = None if conv_input is None else conv_input.rows(off, conv_size - 1)
 
 
 def spans(lens: list[int]) -> list[tuple[int, int]]:
@@ -98,15 +98,15 @@ def phase_runs(states: list[LayerState], lens: list[int]) -> list[tuple[int, int
     return runs
 
 
-def conv_varlen(conv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | None]],
+def conv_varlen(conv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, ConvInput | None]],
                 xc: Tensor, states: list[LayerState], lens: list[int],
                 runs: list[tuple[int, int, int, int]]
-                ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+                ) -> tuple[Tensor, list[Tensor], list[ConvInput | None]]:
     """A mixer's short conv ``conv(x (B, T, C), tail (B, w - 1, C)) -> (out, new tail, conv
     input)`` over the packed ``xc`` ``(1, sum T, C)``, each sequence from its own tail, one call
     per run of ``phase_runs`` (its sequences as rows). Returns the packed outputs
     ``(1, sum T, C)`` and, per run, the new tails ``(B, w - 1, C)`` and the conv inputs
-    ``(B, w - 1 + T, C)`` (for ``fill_conv_tails``)."""
+    (for ``fill_conv_tails``)."""
     outs, tails, inputs = [], [], []
     C = xc.shape[-1]
     for i, j, s, e in runs:
@@ -121,12 +121,12 @@ def conv_varlen(conv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | 
 
 def mix_sequence(memory: MCMemory, state: LayerState, q: Tensor, k: Tensor, v: Tensor,
                  u: Tensor, gates: dict[str, Tensor], init: dict[str, Tensor] | None,
-                 conv: Tensor | None, conv_input: Tensor | None, conv_size: int
+                 conv: Tensor | None, conv_input: ConvInput | None, conv_size: int
                  ) -> tuple[Tensor, LayerState]:
     """The MC memory over one span of ``state``'s rows (q, k, u ``(B, T, H, K)``, v
     ``(B, T, H, V)``) → y ``(B, T, H, V)`` and the layer's new state with conv tail ``conv``;
     the checkpoints the span records (``MCLayerState.record``) get their conv tails from
-    ``conv_input`` ``(B, w - 1 + T, C)``."""
+    ``conv_input``."""
     y, mc = memory.forward(state.mc, q, k, v, u, gates, init=init)
     if state.mc.record is not None:
         fill_conv_tails(state.mc.record, conv_input, state.mc.pos, conv_size)
@@ -175,7 +175,8 @@ def _split_rows(ls: LayerState, states: list[LayerState]) -> list[LayerState]:
 def mix_varlen(memory: MCMemory, states: list[LayerState], lens: list[int],
                runs: list[tuple[int, int, int, int]], q: Tensor, k: Tensor, v: Tensor,
                u: Tensor, gates: dict[str, Tensor], init: dict[str, Tensor] | None,
-               convs: list[Tensor | None], conv_inputs: list[Tensor | None], conv_size: int
+               convs: list[Tensor | None], conv_inputs: list[ConvInput | None],
+               conv_size: int
                ) -> tuple[Tensor, list[LayerState]]:
     """``mix_sequence`` over the packed q, k, u ``(1, sum T, H, K)``, v ``(1, sum T, H, V)`` and
     gates ``(1, sum T, H, ...)``, each sequence from its own batch-of-one state, one call per
@@ -320,15 +321,15 @@ class MCMixer(nn.Module):
             return q, k, v, u, gates, conv_tail, full
         return q, k, v, u, gates, conv_tail
 
-    def _conv(self, qkv: Tensor, conv_tail: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _conv(self, qkv: Tensor, conv_tail: Tensor) -> tuple[Tensor, Tensor, ConvInput]:
         """The short causal conv + SiLU of one span of qkv ``(B, T, 3HK)`` after the conv tail
         ``(B, w - 1, 3HK)`` → the output ``(B, T, 3HK)``, the new tail and the conv's input
-        ``(B, w - 1 + T, 3HK)``."""
-        full = torch.cat([conv_tail, qkv], dim=1)  # (B, w-1+T, 3HK)
-        conv_tail = full[:, full.shape[1] - (self.cfg.conv_size - 1):]
+        (tail and span, ``ConvInput``)."""
+        full = ConvInput(conv_tail, qkv)  # [tail; qkv] (B, w-1+T, 3HK), not concatenated
         # depthwise causal conv as w shifted multiply-adds: torch's grouped conv1d is orders of
         # magnitude slower on CPU for these shapes (and in float64)
-        return F.silu(causal_conv(full, self.conv.weight[:, 0], qkv.shape[1])), conv_tail, full
+        out = F.silu(causal_conv(full, self.conv.weight[:, 0]), inplace=True)
+        return out, full.new_tail(), full
 
     def _heads(self, x: Tensor, qkv: Tensor):
         """Token-wise: x ``(B, T, D)`` and the conv's output ``(B, T, 3HK)`` → q, k, v, u
