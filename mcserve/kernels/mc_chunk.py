@@ -250,10 +250,11 @@ def mc_linear_chunk(
         write, no decay), the tail padded to a whole segment."""
         if x is None:
             return None
-        shape = (B, f0) + x.shape[2:]
-        tail = (B, pad) + x.shape[2:]
-        x = torch.cat([x.new_full(shape, fill), x, x.new_full(tail, fill)], 1)
-        return x.view((B, G, C) + x.shape[2:])
+        if f0 or pad:
+            shape = (B, f0) + x.shape[2:]
+            tail = (B, pad) + x.shape[2:]
+            x = torch.cat([x.new_full(shape, fill), x, x.new_full(tail, fill)], 1)
+        return x.reshape((B, G, C) + x.shape[2:])  # a view of an aligned span
 
     qf, kf, uf = fold(q), fold(k), fold(u)  # (B, G, C, H, K)
     backend = dispatch.get_backend(q)
