@@ -2,7 +2,8 @@
 
 On a CUDA machine, for each kernel (paged MC decode readout for grm/ssc, its split-N form, the
 ssc router, the chunk-parallel and the sequence-walking linear prefill with segment checkpoints,
-the fused per-layer decode of a native-like and a Mamba2-like mixer) and a few sizes, it times
+the fused per-layer decode of a native-like and a Mamba2-like mixer, the fused cached readout of
+a grm prefill chunk) and a few sizes, it times
 the Triton kernel, its torch twin and, where one exists, the kernel it replaces (``old_ms``)
 with ``triton.testing.do_bench`` (median ms), computes the bytes the kernel must at least move
 (every input read once, every output written once) and prints the achieved bandwidth as a
@@ -171,6 +172,23 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
                partial(twins.chunk_linear_prefill_torch, q, k, v, la, bw, **kw),
                prefill_bytes(B, T, H, K, V, C, elt),
                fn_old=partial(prefill.chunk_linear_prefill, q, k, v, la, bw, **kw))
+    from mcserve.kernels import mc_chunk
+    from mcserve.kernels.triton import readout
+
+    # the cached readout of a grm prefill chunk: L tokens after n0 carried checkpoints (the
+    # last 8K chunk of a 32K prompt: n0 = 384); the torch form is the GPU's tiled reads
+    for L, n0 in ([(2048, 0)] if quick else [(2048, 0), (8192, 0), (8192, 384)]):
+        N = n0 + L // C - 1
+        g = torch.Generator(device=dev).manual_seed(2)
+        S = torch.randn(1, N, H, K, V, device=dev, dtype=dtype, generator=g) * 0.1
+        q = torch.randn(1, L, H, K, device=dev, dtype=dtype, generator=g)
+        vis = (torch.arange(N, device=dev)[None, :]
+               < (n0 + torch.arange(L, device=dev) // C)[:, None])
+        w = torch.rand(1, L, H, N, device=dev, dtype=dtype, generator=g) * vis[None, :, None, :]
+        record("chunk-readout", f"L={L} n0={n0} N={N} H={H} K={K} V={V}",
+               partial(readout.mc_chunk_readout, S, q, w, n0, C),
+               partial(mc_chunk._readout_blocks, S, q, w, n0, C),
+               (S.numel() + q.numel() + w.numel() + L * H * V) * elt)
     for layout, B, N in ([("native", 1, 64), ("mamba2", 64, 64)] if quick else
                          [("native", 1, 64), ("native", 64, 64), ("native", 256, 64),
                           ("mamba2", 1, 0), ("mamba2", 64, 64), ("mamba2", 256, 0)]):

@@ -608,3 +608,32 @@ def test_mc_chunk_online_term_through_the_prefill_kernel(monkeypatch, backend, v
     got = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
     for x, w in zip(got, want, strict=True):
         torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-10)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("L,n_carried,K,V", [(150, 3, 5, 6), (37, 0, 16, 70), (8, 2, 8, 8)],
+                         ids=["3-tiles-odd-dims", "no-carried-2-vtiles", "one-short-tile"])
+def test_mc_chunk_readout_matches_twin(dtype, L, n_carried, K, V):
+    """The fused readout of a prefill chunk against its torch twin (``_readout_blocks``): random
+    states, weights zero where a token cannot see a checkpoint, several heads, token tiles that
+    end mid-segment, V split into tiles; the output starts as NaN, so an unwritten element
+    fails."""
+    from mcserve.kernels.mc_chunk import _readout_blocks
+    from mcserve.kernels.triton.readout import mc_chunk_readout
+
+    g = torch.Generator().manual_seed(L + K)
+    B, H, C = 2, 3, 4
+    N = n_carried + (L - 1) // C
+    S = torch.randn(B, N, H, K, V, generator=g, dtype=dtype)
+    q = torch.randn(B, L, H, K, generator=g, dtype=dtype)
+    vis = torch.arange(N)[None, :] < (n_carried + torch.arange(L) // C)[:, None]  # (L, N)
+    w = torch.rand(B, L, H, N, generator=g, dtype=dtype) * vis[None, :, None, :]
+    want = _readout_blocks(S, q, w, n_carried, C)
+    out = _d(torch.full((B, L, H, V), NAN, dtype=dtype))
+    got = mc_chunk_readout(*_d(S, q, w), n_carried, C, out=out)
+    assert got is out
+    assert _rel(got.cpu(), want) < TOL[dtype]
+    # through the dispatch, with no checkpoints at all
+    none = dispatch.mc_chunk_readout(*_d(S[:, :0], q, w[..., :0]), 0, C, backend="triton")
+    assert torch.equal(none.cpu(), torch.zeros(B, L, H, V, dtype=dtype))

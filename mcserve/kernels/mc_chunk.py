@@ -313,7 +313,13 @@ def mc_linear_chunk(
         if picks is not None:
             y = y + _readout_picks(Sc.contiguous(), qf.reshape(B, G * C, H, K), *picks)
         elif N:
-            y = y + _readout_blocks(Sc, qf.reshape(B, G * C, H, K), w_c, N0, C)
+            qr = qf.reshape(B, G * C, H, K)
+            if backend == "triton" and not (torch.is_grad_enabled() and (
+                    q.requires_grad or cached.requires_grad)):  # fused, no backward
+                # one pass, no (tokens, checkpoints, V) temporaries
+                y = y + dispatch.mc_chunk_readout(Sc, qr, w_c, N0, C, backend=backend)
+            else:
+                y = y + _readout_blocks(Sc, qr, w_c, N0, C)
     y = y.reshape(B, G * C, H, V)[:, f0:f0 + T]
     # a partial last segment's padding wrote nothing and did not decay: S_end[:, -1] is exact
     return y, S_end[:, -1], S_end[:, :n_b], seg_ksum[:, :n_b]
