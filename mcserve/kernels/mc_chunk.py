@@ -132,16 +132,18 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
     wh = w.permute(0, 2, 1, 3).reshape(B * H, L, N)  # (BH, L, N)
     out = q.new_zeros(B * H, L, V)
     tile, block = _TOKEN_TILE, _X_BLOCK
-    buf = q.new_empty(B * H, min(L, tile), min(N, block), K)
+    buf = q.new_empty(B * H * min(L, tile) * min(N, block) * K)
     for t0 in range(0, L, tile):
         t1 = min(L, t0 + tile)
         n_vis = min(N, n_carried + (t1 - 1) // segment_len)
         o = out[:, t0:t1]
         for n0 in range(0, n_vis, block):
             n1 = min(n_vis, n0 + block)
-            X = buf[:, :t1 - t0, :n1 - n0]  # (BH, tile, n, K) = w_n · q_t
+            # (BH, tile, n, K) = w_n · q_t, contiguous (a prefix of the buffer): the product
+            # writes it in one pass and the GEMM reads it as (BH, tile, n·K) without a copy
+            X = buf[:B * H * (t1 - t0) * (n1 - n0) * K].view(B * H, t1 - t0, n1 - n0, K)
             torch.mul(wh[:, t0:t1, n0:n1, None], qh[:, t0:t1, None, :], out=X)
-            o.baddbmm_(X.reshape(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K])
+            o.baddbmm_(X.view(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K])
     return out.view(B, H, L, V).transpose(1, 2)
 
 

@@ -208,8 +208,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         D = x.shape[-1]
-        if x.numel() <= 8 * D and not torch.is_grad_enabled() and x.is_cpu:  # decode: one C++ op
-            return cpu_ops.rms_norm(x.reshape(-1, D), self.weight, self.eps, D).view(x.shape)
+        if (not torch.is_grad_enabled() and x.is_cpu and x.dtype == torch.float32
+                and x.is_contiguous()):  # one C++ pass (2.3x F.rms_norm's at 2K x 256)
+            return cpu_ops.rms_norm(x.view(-1, D), self.weight, self.eps, D).view(x.shape)
         return F.rms_norm(x, (D,), self.weight, self.eps)
 
 
