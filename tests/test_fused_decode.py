@@ -169,3 +169,11 @@ def test_fused_block_sees_weights_changed_after_first_decode():
         model.layers[0].mlp.down.weight.mul_(5.0)
         model.layers[1].mixer.out_norm.weight.mul_(-2.0)
     same_as_python_path()
+    with torch.no_grad():  # the gates' bias, stacked into the decode projection's bias
+        model.layers[0].mixer.gate_proj.bias.add_(3.0)
+    # both paths read the stacked projection: compare with a model built from the weights
+    fresh = MCForCausalLM(cfg).eval()
+    fresh.load_state_dict(model.state_dict())
+    got, want = generate(model, prompts), generate(fresh, prompts)
+    assert got[0][0] == want[0][0]
+    assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 1e-5

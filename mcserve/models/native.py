@@ -98,6 +98,27 @@ def phase_runs(states: list[LayerState], lens: list[int]) -> list[tuple[int, int
     return runs
 
 
+def params_key(root: nn.Module, paths: tuple[tuple[str, ...], ...]) -> tuple:
+    """Identity, storage and in-place version of the parameters at ``paths`` (submodule names,
+    then the parameter's, from ``root``), read through the modules' own dicts: a cheap test
+    that copies or argument tuples built from them are current (an ``nn.Module`` attribute
+    lookup costs about half a microsecond, and a decode step made a dozen per layer)."""
+    out = []
+    for path in paths:
+        m = root
+        for name in path[:-1]:
+            m = m._modules[name]
+        p = m._parameters[path[-1]]
+        out.append((id(p), p.data_ptr(), None if p.is_inference() else p._version))
+    return tuple(out)
+
+
+# the parameters a native block's fused decode call reads as they are (besides the stacked
+# projections and the conv)
+_FUSED_PATHS = (("norm1", "weight"), ("mixer", "out_norm", "weight"), ("mixer", "o_proj", "weight"),
+                ("norm2", "weight"), ("mlp", "up", "weight"), ("mlp", "down", "weight"))
+
+
 def conv_varlen(conv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, ConvInput | None]],
                 xc: Tensor, states: list[LayerState], lens: list[int],
                 runs: list[tuple[int, int, int, int]]
@@ -346,12 +367,17 @@ class MCMixer(nn.Module):
     def _decode_weights(self) -> tuple[Tensor, Tensor | None]:
         """The projections of x (qkv, u, g, gates) stacked into one weight, so decode reads
         them with one matrix-vector product. Rebuilt when a source weight changes."""
-        mods = [m for m in (self.qkv, self.u_proj, self.g_proj, self.gate_proj) if m is not None]
-        # data_ptr: a parameter moved by .to() keeps its id; _version: updated in place
-        key = tuple((id(m.weight), m.weight.data_ptr(),
-                     None if m.weight.is_inference() else m.weight._version) for m in mods)
+        paths = self.__dict__.get("_decode_paths")
+        if paths is None:
+            names = [n for n in ("qkv", "u_proj", "g_proj", "gate_proj")
+                     if getattr(self, n) is not None]
+            paths = tuple((n, "weight") for n in names) + (
+                (("gate_proj", "bias"),) if self.gate_proj is not None else ())
+            self.__dict__["_decode_paths"] = paths
+        key = params_key(self, paths)
         cached = self.__dict__.get("_decode_cat")
         if cached is None or cached[0] != key:
+            mods = [getattr(self, n) for n, p in paths if p == "weight"]
             w = torch.cat([m.weight.detach() for m in mods])
             b = None
             if self.gate_proj is not None:  # the only projection with a bias
@@ -520,14 +546,10 @@ class Block(nn.Module):
         up a dozen module attributes costs more than the call's Python overhead otherwise)."""
         mixer = self.mixer
         w_in, b_in = mixer._decode_weights()  # validates the projection weights
-        # the other weights are passed as they are (in-place updates show through); a moved or
-        # reassigned one changes its storage, which the key sees
-        others = (self.norm1.weight, mixer.out_norm.weight, mixer.o_proj.weight,
-                  self.norm2.weight, self.mlp.up.weight, self.mlp.down.weight)
-        key = (id(w_in), *(t.data_ptr() for t in others),
-               None if mixer.conv is None else mixer.conv.weight.data_ptr())
+        key = (id(w_in), params_key(self, _FUSED_PATHS if mixer.conv is None
+                                    else _FUSED_PATHS + (("mixer", "conv", "weight"),)))
         cached = self.__dict__.get("_fused_args")
-        if cached is None or cached[1] != key or cached[0][2] is not w_in:
+        if cached is None or cached[1] != key:
             names = mixer.gate_names
             args = (self.norm1.eps, self.norm1.weight.detach(), w_in, b_in,
                     None if mixer.conv is None else mixer.conv.weight.detach()[:, 0],
