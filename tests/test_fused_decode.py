@@ -177,3 +177,27 @@ def test_fused_block_sees_weights_changed_after_first_decode():
     got, want = generate(model, prompts), generate(fresh, prompts)
     assert got[0][0] == want[0][0]
     assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 1e-5
+
+
+def test_fused_mamba2_block_sees_weights_changed_after_first_decode():
+    # the Mamba2 block caches its argument tuple too: an in-place update of a matrix, of a
+    # per-head vector and a reassigned bias must reach the next decode (compared with a model
+    # built from the same weights, whose caches are fresh)
+    from mcserve.models import mamba2
+
+    torch.manual_seed(1)
+    cfg = mamba2.Mamba2Config(vocab_size=120, d_model=32, n_layers=2, n_heads=4, head_dim=8,
+                              state_size=8, use_bias=True)
+    model = mamba2.Mamba2MCForCausalLM(cfg).eval()
+    prompts = [[5, 7, 11, 13, 17, 19]]
+    generate(model, prompts)  # builds the caches
+    with torch.no_grad():
+        model.layers[0].mixer.out_proj.weight.mul_(3.0)
+        model.layers[1].mixer.A_log.add_(1.0)
+        model.layers[1].mixer.in_proj.bias = torch.nn.Parameter(
+            torch.randn_like(model.layers[1].mixer.in_proj.bias))
+    fresh = mamba2.Mamba2MCForCausalLM(cfg).eval()
+    fresh.load_state_dict(model.state_dict())
+    got, want = generate(model, prompts), generate(fresh, prompts)
+    assert got[0][0] == want[0][0]
+    assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 1e-5

@@ -58,6 +58,7 @@ from mcserve.models.native import (
     conv_varlen,
     mix_sequence,
     mix_varlen,
+    params_key,
     phase_runs,
 )
 from mcserve.models.packed_linear import is_packed
@@ -498,18 +499,36 @@ class Mamba2Block(MambaBlock):
             return None
         if x.shape[0] > cpu_ops.GEMV_MAX_ROWS and (is_packed(m.in_proj) or is_packed(m.out_proj)):
             return None  # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one
-        cfg = m.cfg
-        lo, hi = cfg.time_step_limit
-        d = lambda t: None if t is None else t.detach()  # noqa: E731
         B = x.shape[0]
-        y = cpu_ops.ops().mamba2_block_decode_(
-            x.view(B, -1), d(self.norm.weight), self.norm.eps, d(m.in_proj.weight),
-            d(m.in_proj.bias), d(m.conv1d.weight)[:, 0], d(m.conv1d.bias), d(m.dt_bias),
-            d(m.A_log), lo, hi, d(m.D), None if m.norm is None else d(m.norm.weight),
-            m.norm.eps if m.norm is not None else 0.0,
-            m.norm.norm_before_gate if m.norm is not None else False,
-            d(m.out_proj.weight), d(m.out_proj.bias), m.H, m.P, m.N, m.G, S, pl.conv)
+        y = cpu_ops.ops().mamba2_block_decode_(x.view(B, -1), *self._fused_args(), S, pl.conv)
         return y.view(x.shape)
+
+    def _fused_args(self) -> tuple:
+        """The weights and shape arguments of ``mamba2_block_decode_``, cached while the
+        parameters stay the same (``params_key``): gathering them through two dozen module
+        attribute lookups took longer per layer and step than the rest of the Python path."""
+        paths = self.__dict__.get("_fused_paths")
+        if paths is None:
+            paths = self.__dict__["_fused_paths"] = tuple(
+                ("norm", "weight") if name == "norm" else ("mixer",) + tuple(name.split("."))
+                for name in ("norm", "in_proj.weight", "in_proj.bias", "conv1d.weight",
+                             "conv1d.bias", "dt_bias", "A_log", "D", "out_proj.weight",
+                             "out_proj.bias") + (("norm.weight",) if self.mixer.norm is not None
+                                                 else ()))
+        key = params_key(self, paths)
+        cached = self.__dict__.get("_fused_cache")
+        if cached is None or cached[0] != key:
+            m = self.mixer
+            lo, hi = m.cfg.time_step_limit
+            d = lambda t: None if t is None else t.detach()  # noqa: E731
+            args = (d(self.norm.weight), self.norm.eps, d(m.in_proj.weight), d(m.in_proj.bias),
+                    d(m.conv1d.weight)[:, 0], d(m.conv1d.bias), d(m.dt_bias), d(m.A_log), lo, hi,
+                    d(m.D), None if m.norm is None else d(m.norm.weight),
+                    m.norm.eps if m.norm is not None else 0.0,
+                    m.norm.norm_before_gate if m.norm is not None else False,
+                    d(m.out_proj.weight), d(m.out_proj.bias), m.H, m.P, m.N, m.G)
+            cached = self.__dict__["_fused_cache"] = (key, args)
+        return cached[1]
 
 
 class MambaLM(RebuildsUnderMC, RecurrentLM):

@@ -100,7 +100,8 @@ def phase_runs(states: list[LayerState], lens: list[int]) -> list[tuple[int, int
 
 def params_key(root: nn.Module, paths: tuple[tuple[str, ...], ...]) -> tuple:
     """Identity, storage and in-place version of the parameters at ``paths`` (submodule names,
-    then the parameter's, from ``root``), read through the modules' own dicts: a cheap test
+    then the parameter's, from ``root``; None for an absent bias), read through the modules'
+    own dicts: a cheap test
     that copies or argument tuples built from them are current (an ``nn.Module`` attribute
     lookup costs about half a microsecond, and a decode step made a dozen per layer)."""
     out = []
@@ -109,7 +110,8 @@ def params_key(root: nn.Module, paths: tuple[tuple[str, ...], ...]) -> tuple:
         for name in path[:-1]:
             m = m._modules[name]
         p = m._parameters[path[-1]]
-        out.append((id(p), p.data_ptr(), None if p.is_inference() else p._version))
+        out.append(None if p is None else
+                   (id(p), p.data_ptr(), None if p.is_inference() else p._version))
     return tuple(out)
 
 
