@@ -28,8 +28,8 @@ from mcserve.kernels.triton import twins
 BACKENDS = ("reference", "torch", "triton")
 
 __all__ = ["BACKENDS", "get_backend", "triton_available", "paged_mc_decode_linear",
-           "ssc_router", "chunk_linear_prefill", "mc_chunk_readout", "fused_linear_decode",
-           "fused_decode_pays", "mc_linear"]
+           "ssc_router", "chunk_linear_prefill", "fused_linear_decode", "fused_decode_pays",
+           "mc_linear"]
 
 
 @lru_cache(maxsize=1)
@@ -152,18 +152,6 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
     else:
         fn = twins.chunk_linear_prefill_reference
     return fn(q, k, v, log_a, b, initial_state, **kw)
-
-
-def mc_chunk_readout(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int, *,
-                     backend: str | None = None) -> Tensor:
-    """The cached-memory readout of a prefill chunk, Σ_n w[:, t, :, n] S_nᵀ q_t (see
-    ``mc_chunk._readout_blocks``, the torch form and twin): the fused Triton kernel
-    (``triton/readout.py``) on the kernel backend."""
-    if _resolve(backend, q) == "triton":
-        from mcserve.kernels.triton.readout import mc_chunk_readout as fn
-    else:
-        from mcserve.kernels.mc_chunk import _readout_blocks as fn
-    return fn(S, q, w, n_carried, segment_len)
 
 
 def fused_decode_pays(B: int, H: int, V: int, N: int, variant: str) -> bool:

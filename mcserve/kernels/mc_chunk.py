@@ -320,7 +320,9 @@ def mc_linear_chunk(
             if backend == "triton" and not (torch.is_grad_enabled() and (
                     q.requires_grad or cached.requires_grad)):  # fused, no backward
                 # one pass, no (tokens, checkpoints, V) temporaries
-                y = y + dispatch.mc_chunk_readout(Sc, qr, w_c, N0, C, backend=backend)
+                from mcserve.kernels.triton.readout import mc_chunk_readout
+
+                y = y + mc_chunk_readout(Sc, qr, w_c, N0, C)
             else:
                 y = y + _readout_blocks(Sc, qr, w_c, N0, C)
     y = y.reshape(B, G * C, H, V)[:, f0:f0 + T]
