@@ -4,6 +4,7 @@ checkpoints and greedy tokens as running the sequences one at a time."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -13,10 +14,13 @@ from mcserve.config import EngineConfig, ModelConfig
 from mcserve.engine.llm import LLM
 from mcserve.engine.llm_engine import LLMEngine
 from mcserve.engine.sampling import SamplingParams
+from mcserve.kernels import dispatch
+from mcserve.models import native as native_mod
+from mcserve.models.importing import ConvInput
 from mcserve.models.mamba1 import Mamba1Config, Mamba1MCForCausalLM
 from mcserve.models.mamba2 import Mamba2Config, Mamba2MCForCausalLM
 from mcserve.models.mc import MCMemory
-from mcserve.models.native import MCForCausalLM, ModelState
+from mcserve.models.native import LayerState, MCForCausalLM, ModelState
 
 V = 64
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -206,6 +210,162 @@ def test_equal_phases_mix_as_one_batch(monkeypatch):
     eng.step()
     assert sorted(sizes) == sorted([1, 1, 4] * model.config.n_layers)
     drain(eng)
+
+
+# ------------------------------------------------------------------ packed sequence mixing
+# lengths against a window of 4 (3 tail rows): 1 and 2 read only (or mostly) the tail, 3 and 3
+# at one phase are one run, then longer ones
+CONV_LENS = [1, 2, 7, 3, 3, 1, 5, 4]
+
+
+def conv_mixers() -> dict:
+    return {
+        "native-w4": native().layers[0].mixer,
+        "native-w2": MCForCausalLM(ModelConfig(
+            vocab_size=V, d_model=24, n_layers=1, n_heads=3, head_dim=8, conv_size=2,
+            mc_variant="none")).double().layers[0].mixer,
+        "mamba2": mamba2().layers[1].mixer,  # a conv bias; the T = 1 window sum per sequence
+        "mamba1": mamba1().layers[0].mixer,  # window 3
+    }
+
+
+@pytest.mark.parametrize("name", ["native-w4", "native-w2", "mamba2", "mamba1"])
+@torch.no_grad()
+def test_packed_conv_equals_conv_per_sequence(name):
+    # one packed conv over all sequences = each mixer's own conv of each sequence from its own
+    # tail: outputs, new tails, and the tail fill_conv_tails cuts at every offset of the span
+    mixer = conv_mixers()[name]
+    w = mixer.conv.weight if hasattr(mixer, "conv") else mixer.conv1d.weight
+    C, W = w.shape[0], w.shape[-1]
+    g = torch.Generator().manual_seed(13)
+    states = [LayerState(mixer.memory.init_state(1, 1, 1, 1, dtype=torch.float64,
+                                                 device="cpu"),
+                         torch.randn(1, W - 1, C, generator=g, dtype=torch.float64))
+              for _ in CONV_LENS]
+    xc = torch.randn(1, sum(CONV_LENS), C, generator=g, dtype=torch.float64)
+    runs = native_mod.phase_runs(states, CONV_LENS)
+    assert len(runs) == len(CONV_LENS) - 1  # the two 3s are one run
+    bias = None if hasattr(mixer, "conv") else mixer.conv1d.bias
+    out, convs, inputs = native_mod.conv_varlen(xc, states, CONV_LENS, runs, w[:, 0], bias)
+    assert out.shape == xc.shape
+    for r, (i, j, s, _) in enumerate(runs):
+        for b, n in enumerate(range(i, j)):
+            T = CONV_LENS[n]
+            lo = s + b * T
+            want, tail, full = mixer._conv(xc[:, lo:lo + T], states[n].conv)
+            close(out[:, lo:lo + T], want, f"output of sequence {n}")
+            close(convs[r][b:b + 1], tail, f"new tail of sequence {n}")
+            got_in = ConvInput(inputs[r].tail[b:b + 1], inputs[r].x[b:b + 1])
+            for off in range(T + 1):
+                close(got_in.rows(off, W - 1), full.rows(off, W - 1), f"tail at {off} of {n}")
+
+
+def _triton_on_cpu() -> str | None:
+    """Why Triton's kernels cannot run here on CPU tensors under its interpreter (None: they
+    can; tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported)."""
+    try:
+        import triton
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception as e:  # not installed / broken
+        return f"triton unavailable: {type(e).__name__}: {e}"
+    if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(
+            triton.language.standard.zeros, InterpretedFunction):
+        return "triton was not imported under TRITON_INTERPRET=1 (CUDA test mode?)"
+    return None
+
+
+def none_plain() -> MCForCausalLM:
+    """The native ``none`` model with no gates and no conv (the kernel's None gates)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=24, n_layers=2, n_heads=3, head_dim=8,
+                      mc_variant="none", conv_size=0, use_decay_gate=False,
+                      use_write_gate=False)
+    return MCForCausalLM(cfg).double().eval()
+
+
+NONE_MODELS = {"linear-none": MODELS["linear-none"], "linear-none-plain": none_plain,
+               "mamba2-none": MODELS["mamba2-none"]}
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    _triton_on_cpu() is not None, reason=str(_triton_on_cpu())))]
+
+
+class KernelSpy:
+    """Counts ``dispatch.chunk_linear_prefill`` calls (with their ``cu_seqlens``) and
+    ``MCMemory.forward`` calls."""
+
+    def __init__(self, monkeypatch):
+        self.prefill: list[list[int] | None] = []
+        self.forward = 0
+        real, fwd = dispatch.chunk_linear_prefill, MCMemory.forward
+
+        def prefill(*a, **kw):
+            cu = kw.get("cu_seqlens")
+            self.prefill.append(None if cu is None else cu.tolist())
+            return real(*a, **kw)
+
+        def forward(*a, **kw):
+            self.forward += 1
+            return fwd(*a, **kw)
+
+        monkeypatch.setattr(dispatch, "chunk_linear_prefill", prefill)
+        monkeypatch.setattr(MCMemory, "forward", forward)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "record"])
+@pytest.mark.parametrize("name", list(NONE_MODELS))
+def test_none_linear_varlen_one_memory_call(monkeypatch, name, record, backend):
+    # MC none on the gated linear memory: on the kernel backend every sequence's scan is one
+    # chunk_linear_prefill over the packed tokens (cu_seqlens) per layer, with the same logits
+    # and states as forward per sequence; the torch backend keeps one memory call per run
+    # (faster on the CPU than the torch twin's varlen loop)
+    model = NONE_MODELS[name]()
+    if backend == "triton":
+        monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+    states, chunks = phased(model, torch.Generator().manual_seed(3))
+    ref_in = [recording(st) for st in states] if record else states
+    var_in = [recording(st) for st in states] if record else states
+    lens = [x.shape[1] for x in chunks]
+    with torch.no_grad():
+        want = [model(x, st, last_only=True) for x, st in zip(chunks, ref_in, strict=True)]
+        spy = KernelSpy(monkeypatch)
+        logits, got = model.forward_varlen(torch.cat(chunks, 1), var_in, lens)
+    n_layers = model.config.n_layers
+    if backend == "triton":
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        assert (spy.prefill, spy.forward) == ([cu] * n_layers, 0)
+    else:
+        assert spy.prefill == [] and spy.forward == n_layers * len(
+            native_mod.phase_runs([st.layers[0] for st in states], lens))
+    for i, ((lw, sw), sg) in enumerate(zip(want, got, strict=True)):
+        close(logits[i], lw[0, -1], f"logits of sequence {i}")
+        assert_same_state(sg, sw, f"sequence {i}")
+        for li, ls in enumerate(sg.layers):  # the caller's checkpoint list, still empty
+            assert ls.mc.record is var_in[i].layers[li].mc.record, (i, li)
+
+
+@pytest.mark.skipif(_triton_on_cpu() is not None, reason=str(_triton_on_cpu()))
+@pytest.mark.parametrize("name", ["linear-none", "mamba2-none"])
+def test_none_linear_varlen_kernel_once_per_layer(monkeypatch, name):
+    # N fresh prompts of distinct lengths (1 and a few longer than a 64-token chunk): one
+    # memory kernel call per layer on the kernel backend, not one per sequence
+    model = NONE_MODELS[name]()
+    monkeypatch.setenv("MCSERVE_KERNELS", "triton")
+    g = torch.Generator().manual_seed(14)
+    lens = [5, 1, 70, 12, 3, 66]
+    chunks = [torch.randint(0, V, (1, n), generator=g) for n in lens]
+    with torch.no_grad():
+        want = [model(x, last_only=True) for x in chunks]
+        spy = KernelSpy(monkeypatch)
+        logits, got = model.forward_varlen(torch.cat(chunks, 1),
+                                           [model.init_state(1) for _ in lens], lens)
+    assert len(spy.prefill) == model.config.n_layers and spy.forward == 0
+    assert all(cu is not None and len(cu) == len(lens) + 1 for cu in spy.prefill)
+    for i, ((lw, sw), sg) in enumerate(zip(want, got, strict=True)):
+        close(logits[i], lw[0, -1], f"logits of sequence {i}")
+        assert_same_state(sg, sw, f"sequence {i}")
 
 
 # ------------------------------------------------------------------ engine

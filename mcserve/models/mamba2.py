@@ -308,13 +308,15 @@ class ConvSSMMixer(nn.Module):
     def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
                        ) -> tuple[Tensor, list[LayerState]]:
         """Sequences packed back to back, x ``(1, sum T, D)`` with lengths ``lens``, each from
-        its own batch-of-one state: in_proj, the SSM's inputs and the output run once on the
-        packed tokens, the short conv and the memory per sequence on its slice (consecutive
-        sequences at one phase with equal lengths as one batch, ``phase_runs``). Returns
+        its own batch-of-one state: in_proj, the short conv (``conv_varlen``), the SSM's inputs
+        and the output run once on the packed tokens, the memory per sequence on its slice
+        (``mix_varlen``: consecutive sequences at one phase with equal lengths as one batch,
+        ``phase_runs``; the plain linear memory on the kernel backend as one call). Returns
         ``(1, sum T, D)`` and each sequence's new state; equals ``forward`` per sequence."""
         runs = phase_runs(states, lens)
         rest, xc = self._pre_conv(x)
-        xc, convs, fulls = conv_varlen(self._conv, xc, states, lens, runs)
+        xc, convs, fulls = conv_varlen(xc, states, lens, runs, self.conv1d.weight[:, 0],
+                                        self.conv1d.bias)
         z, xs, q, k, gates = self._post_conv(rest, xc)
         y, states = mix_varlen(self.memory, states, lens, runs, q, k, self._values(xs), q, gates,
                                None, convs, fulls, self.cfg.conv_size)

@@ -10,8 +10,8 @@ place, which makes prefix reuse and preemption a matter of keeping a reference.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from mcserve.config import MCConfig, ModelConfig
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.kernels import dispatch
 from mcserve.models.importing import ConvInput, causal_conv
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
@@ -121,25 +122,100 @@ _FUSED_PATHS = (("norm1", "weight"), ("mixer", "out_norm", "weight"), ("mixer", 
                 ("norm2", "weight"), ("mlp", "up", "weight"), ("mlp", "down", "weight"))
 
 
-def conv_varlen(conv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, ConvInput | None]],
-                xc: Tensor, states: list[LayerState], lens: list[int],
-                runs: list[tuple[int, int, int, int]]
-                ) -> tuple[Tensor, list[Tensor], list[ConvInput | None]]:
-    """A mixer's short conv ``conv(x (B, T, C), tail (B, w - 1, C)) -> (out, new tail, conv
-    input)`` over the packed ``xc`` ``(1, sum T, C)``, each sequence from its own tail, one call
-    per run of ``phase_runs`` (its sequences as rows). Returns the packed outputs
-    ``(1, sum T, C)`` and, per run, the new tails ``(B, w - 1, C)`` and the conv inputs
-    (for ``fill_conv_tails``)."""
-    outs, tails, inputs = [], [], []
+@functools.lru_cache(maxsize=64)
+def _conv_layout(lens: tuple[int, ...], w1: int, device: torch.device
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tables of ``causal_conv_varlen`` for sequences of ``lens`` packed back to back and
+    ``w1`` (= W - 1) tail rows each (cached: every layer of a call, and calls with the same
+    lengths, reuse them). The gathers read ``src = [tails (N·w1, C); x[sel]]``:
+
+    ``sel`` ``(S,)`` the packed rows of x that a sequence's head rows or new tail read; ``rows``
+    ``(R,)`` the packed rows less than w1 from their sequence's start (the rows whose window
+    reaches into the tail); ``taps`` ``(w1, R)`` the src row tap j < w1 reads for each of them;
+    ``tail_rows`` ``(N·w1,)`` the src rows of each sequence's new tail (the last w1 rows of
+    ``[tail; x]``)."""
+    N = len(lens)
+    sel: list[int] = []
+    at_x: dict[int, int] = {}  # packed row -> src row
+
+    def x_row(r: int) -> int:
+        if r not in at_x:
+            at_x[r] = N * w1 + len(sel)
+            sel.append(r)
+        return at_x[r]
+
+    rows: list[int] = []
+    taps: list[list[int]] = [[] for _ in range(w1)]
+    tail_rows: list[int] = []
+    start = 0
+    for i, n in enumerate(lens):
+        def at(p: int, i: int = i, start: int = start) -> int:  # row p of [tail_i; x_i]
+            return i * w1 + p if p < w1 else x_row(start + p - w1)
+
+        for o in range(min(w1, n)):
+            rows.append(start + o)
+            for j in range(w1):
+                taps[j].append(at(o + j))
+        tail_rows += [at(p) for p in range(n, n + w1)]
+        start += n
+
+    def t(x: list) -> Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return t(sel), t(rows), t(taps).view(w1, len(rows)), t(tail_rows)
+
+
+def causal_conv_varlen(x: Tensor, tails: Tensor, lens: list[int], w: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+    """``causal_conv`` of N sequences packed back to back, x ``(1, sum T, C)`` with lengths
+    ``lens``, each after its own tail (``tails`` ``(N, W - 1, C)``), with ``w`` ``(C, W)`` →
+    the packed output ``(1, sum T, C)`` and each sequence's new tail ``(N, W - 1, C)``.
+
+    A fixed number of ops whatever N (a GPU launches them once, not once per sequence): the W
+    shifted multiply-adds over the packed rows, which are right except for the first W - 1 rows
+    of each sequence (their window reads the previous sequence's last rows instead of the
+    tail); those rows are computed again from ``[tails; x]`` with one gather per tap and
+    scattered back. Each row adds its taps in ``causal_conv``'s order."""
+    W = w.shape[1]
+    w1 = W - 1
+    X = x[0]  # (L, C)
+    L, C = X.shape
+    wt = w.t().contiguous()  # (W, C): the taps as contiguous rows (see causal_conv)
+    out = X * wt[w1]
+    if w1 == 0:
+        return out[None], tails
+    for j in range(w1):
+        s = w1 - j
+        if s < L:
+            out[s:].addcmul_(X[:L - s], wt[j])
+    sel, rows, taps, tail_rows = _conv_layout(tuple(lens), w1, x.device)
+    src = torch.cat([tails.reshape(-1, C), X.index_select(0, sel)])  # (N·w1 + S, C)
+    head = X.index_select(0, rows) * wt[w1]  # (R, C)
+    for j in range(w1):
+        head.addcmul_(src.index_select(0, taps[j]), wt[j])
+    out.index_copy_(0, rows, head)
+    return out[None], src.index_select(0, tail_rows).view(len(lens), w1, C)
+
+
+def conv_varlen(xc: Tensor, states: list[LayerState], lens: list[int],
+                runs: list[tuple[int, int, int, int]], w: Tensor, bias: Tensor | None
+                ) -> tuple[Tensor, list[Tensor], list[ConvInput]]:
+    """A mixer's short conv (``w`` ``(C, W)``, optional bias ``(C,)``) + SiLU over the packed
+    ``xc`` ``(1, sum T, C)``, each sequence from its own tail, as one ``causal_conv_varlen``.
+    Returns the packed outputs ``(1, sum T, C)`` and, per run of ``phase_runs`` (its sequences
+    as rows), the new tails ``(B, W - 1, C)`` and the conv inputs (for ``fill_conv_tails``):
+    views of the packed tensors."""
+    tails = (states[0].conv if len(states) == 1
+             else torch.cat([st.conv for st in states])).to(xc.dtype)  # (N, W - 1, C)
+    out, new = causal_conv_varlen(xc, tails, lens, w)
+    if bias is not None:
+        out += bias
     C = xc.shape[-1]
+    convs, inputs = [], []
     for i, j, s, e in runs:
-        B = j - i
-        tail = states[i].conv if B == 1 else torch.cat([st.conv for st in states[i:j]])
-        out, tail, full = conv(xc[:, s:e].reshape(B, lens[i], C), tail)
-        outs.append(out.reshape(1, B * lens[i], C))
-        tails.append(tail)
-        inputs.append(full)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), tails, inputs
+        convs.append(new[i:j])
+        inputs.append(ConvInput(tails[i:j], xc[:, s:e].reshape(j - i, lens[i], C)))
+    return F.silu(out, inplace=True), convs, inputs
 
 
 def mix_sequence(memory: MCMemory, state: LayerState, q: Tensor, k: Tensor, v: Tensor,
@@ -204,8 +280,10 @@ def mix_varlen(memory: MCMemory, states: list[LayerState], lens: list[int],
     """``mix_sequence`` over the packed q, k, u ``(1, sum T, H, K)``, v ``(1, sum T, H, V)`` and
     gates ``(1, sum T, H, ...)``, each sequence from its own batch-of-one state, one call per
     run of ``phase_runs`` (its sequences as rows; ``convs``/``conv_inputs`` per run, from
-    ``conv_varlen``). Returns the packed y ``(1, sum T, H, V)`` and each sequence's new layer
-    state."""
+    ``conv_varlen``), or one call for all of them where ``packs_memory``. Returns the packed y
+    ``(1, sum T, H, V)`` and each sequence's new layer state."""
+    if packs_memory(memory, q):
+        return _mix_packed_linear(memory, states, lens, runs, q, k, v, gates, convs)
     ys, out = [], []
     for r, (i, j, s, e) in enumerate(runs):
         B, T = j - i, lens[i]
@@ -221,6 +299,38 @@ def mix_varlen(memory: MCMemory, states: list[LayerState], lens: list[int],
         ys.append(y.reshape(1, B * T, *y.shape[2:]))
         out += _split_rows(ls, states[i:j])
     return (ys[0] if len(ys) == 1 else torch.cat(ys, 1)), out
+
+
+def packs_memory(memory: MCMemory, q: Tensor) -> bool:
+    """Whether ``mix_varlen`` runs the memory of every sequence as one variable-length call
+    (``LinearMemory.scan_varlen``): the gated linear memory without segments (MC ``none``: the
+    scan is all there is, so phases do not matter) on the kernel backend, where one launch per
+    run would leave a GPU idle."""
+    return (not memory.cfg.segmented and type(memory.family) is LinearMemory
+            and dispatch.get_backend(q) == "triton")
+
+
+def _mix_packed_linear(memory: MCMemory, states: list[LayerState], lens: list[int],
+                       runs: list[tuple[int, int, int, int]], q: Tensor, k: Tensor, v: Tensor,
+                       gates: dict[str, Tensor], convs: list[Tensor | None]
+                       ) -> tuple[Tensor, list[LayerState]]:
+    """``mix_varlen`` for ``packs_memory``: the scan of all sequences as one call on the packed
+    tensors from their stacked states; each sequence's state moves on by its tokens as
+    ``MCMemory.forward`` moves it (nothing but ``mem`` and ``pos`` changes without segments,
+    and no checkpoint is recorded)."""
+    S0 = torch.cat([ls.mc.mem["S"] for ls in states]) if len(states) > 1 \
+        else states[0].mc.mem["S"]  # (N, H, K, V)
+    y, mem = memory.family.scan_varlen({"S": S0}, q, k, v, gates, lens)
+    S = mem["S"]  # (N, H, K, V)
+    out = []
+    for r, (i, j, _, _) in enumerate(runs):
+        for n in range(i, j):
+            mc = states[n].mc
+            out.append(LayerState(
+                replace(mc, mem={"S": S[n:n + 1]}, pos=mc.pos + lens[n],
+                        cached_len=list(mc.cached_len), cached_pos=list(mc.cached_pos)),
+                None if convs[r] is None else convs[r][n - i:n - i + 1]))
+    return y, out
 
 
 class RMSNorm(nn.Module):
@@ -461,16 +571,17 @@ class MCMixer(nn.Module):
     def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
                        ) -> tuple[Tensor, list[LayerState]]:
         """Sequences packed back to back, x ``(1, sum T, D)`` with lengths ``lens``, each from
-        its own batch-of-one state: the projections, gates and output run once on the packed
-        tokens, the short conv and the memory per sequence on its slice (consecutive sequences
-        at one phase with equal lengths as one batch, ``phase_runs``). Returns
+        its own batch-of-one state: the projections, gates, short conv (``conv_varlen``) and
+        output run once on the packed tokens, the memory per sequence on its slice
+        (``mix_varlen``: consecutive sequences at one phase with equal lengths as one batch,
+        ``phase_runs``; MC ``none`` on the kernel backend as one call). Returns
         ``(1, sum T, D)`` and each sequence's new state; equals ``forward`` per sequence."""
         runs = phase_runs(states, lens)
         qkv = self.qkv(x)  # (1, L, 3HK)
         convs: list[Tensor | None] = [None] * len(runs)
-        fulls: list[Tensor | None] = [None] * len(runs)
+        fulls: list[ConvInput | None] = [None] * len(runs)
         if self.conv is not None:
-            qkv, convs, fulls = conv_varlen(self._conv, qkv, states, lens, runs)
+            qkv, convs, fulls = conv_varlen(qkv, states, lens, runs, self.conv.weight[:, 0], None)
         q, k, v, u, gates = self._heads(x, qkv)
         y, states = mix_varlen(self.memory, states, lens, runs, q, k, v, u, gates,
                                self.init_memory(), convs, fulls, self.cfg.conv_size)
@@ -650,10 +761,12 @@ class RecurrentLM(nn.Module):
         sequence alone (``last_only``).
 
         With ``packs_varlen`` the token-wise work (embedding, norms, projections, MLPs, the LM
-        head on the n last positions) runs once over the packed tokens and only the sequence
-        mixing (short conv, MC memory) per sequence on its slice, consecutive sequences at one
-        phase with equal lengths as one batch (``phase_runs``: put such sequences next to each
-        other); otherwise the call runs ``forward`` on each sequence in turn. A checkpoint list
+        head on the n last positions) and the short conv (each sequence from its own tail) run
+        once over the packed tokens and only the MC memory per sequence on its slice,
+        consecutive sequences at one phase with equal lengths as one batch (``phase_runs``: put
+        such sequences next to each other; the gated linear memory without segments on the
+        kernel backend: all of them in one call); otherwise the call runs ``forward`` on each
+        sequence in turn. A checkpoint list
         in a layer's ``MCLayerState.record`` gets that sequence's checkpoints. The tensors of
         ``states`` are not modified.
         """

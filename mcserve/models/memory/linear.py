@@ -6,6 +6,8 @@ no log of an exponential, and long products of a stay exact as sums.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -56,6 +58,16 @@ def _readout_mix_linear_paged(pool: State, ids: Tensor, q: Tensor, w: Tensor) ->
     return y.view(B, 1, H, V)
 
 
+@functools.lru_cache(maxsize=64)
+def cu_seqlens(lens: tuple[int, ...], device: torch.device) -> Tensor:
+    """``(N + 1,)`` int64 start offsets of sequences of ``lens`` packed back to back (and the
+    total at the end), on ``device`` (cached: every layer of a varlen call uses the same)."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int64, device=device)
+
+
 class LinearMemory:
     """S_t = a_t·S_{t-1} + b_t·k_t v_tᵀ; readout Sᵀq."""
 
@@ -79,6 +91,22 @@ class LinearMemory:
                                                        segment_len=q.shape[1])
             return o, {"S": S}
         o, S = chunk_gla(q, k, v, log_a, b, state["S"])
+        return o, {"S": S}
+
+    def scan_varlen(self, state: State, q: Tensor, k: Tensor, v: Tensor,
+                    gates: dict[str, Tensor], lens: list[int]) -> tuple[Tensor, State]:
+        """``scan`` of N sequences packed back to back as one kernel call: q, k
+        ``(1, sum T, H, K)``, v ``(1, sum T, H, V)``, gates ``(1, sum T, H)``, sequence i has
+        ``lens[i]`` tokens and starts from row i of ``state`` (``S`` ``(N, H, K, V)``). Returns
+        the packed o ``(1, sum T, H, V)`` and the N final states; equals ``scan`` per sequence.
+
+        ``chunk_linear_prefill`` with ``cu_seqlens`` (its varlen layout): segments longer than
+        the whole pack, so no sequence completes one and nothing but the scan happens (in
+        ``checkpoint`` mode a boundary only emits a state, never restarts one)."""
+        L = q.shape[1]
+        o, S, _, _ = dispatch.chunk_linear_prefill(
+            q, k, v, gates.get("log_a"), gates.get("b"), state["S"], segment_len=L + 1,
+            cu_seqlens=cu_seqlens(tuple(lens), q.device), mode="checkpoint")
         return o, {"S": S}
 
     def step_(self, state: State, q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
