@@ -201,3 +201,26 @@ def test_chunk_cpu_tiling_equals_naive_twin(monkeypatch, variant):
     want = mc_linear_chunk_naive(q, k, v, u, log_a, b, mc=mc, **st)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "independent"])
+def test_chunk_gradients_match_naive_twin(mode):
+    """Training backpropagates through the one-pass chunk (grm, carried checkpoints, a span
+    crossing several boundaries): every input's gradient equals the per-token twin's."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V, C, N = 2, 19, 2, 4, 3, 4, 3
+    q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    st = dict(initial_state=r(B, H, K, V), initial_ksum=r(B, H, K), cached=r(B, N, H, K, V),
+              cached_ksum=r(B, N, H, K))
+    mc = MCConfig(variant="grm", segment_len=C, mode=mode)
+    w = [r(B, T, H, V), r(B, H, K, V)]
+    grads = []
+    for fn in (mc_linear_chunk, mc_linear_chunk_naive):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, u, log_a, b)]
+        sx = {n: t.clone().requires_grad_() for n, t in st.items()}
+        y, final, _, _ = fn(*xs, mc=mc, initial_fill=1, n_segments=N, **sx)
+        ((y * w[0]).sum() + (final * w[1]).sum()).backward()
+        grads.append([t.grad for t in xs] + [sx[n].grad for n in st])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

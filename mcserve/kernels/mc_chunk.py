@@ -371,7 +371,7 @@ def mc_linear_chunk_naive(
             y = torch.zeros_like(o)
             for bi in range(B):
                 for h in range(H):
-                    sc = [float(x[bi, h]) for x in r]
+                    sc = [float(x[bi, h].detach()) for x in r]  # the selection only
                     pick = list(range(len(sc)))
                     if mc.selects:
                         pick.sort(key=lambda i, sc=sc: (sc[i], i), reverse=True)
