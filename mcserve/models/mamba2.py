@@ -476,6 +476,13 @@ class MambaBlock(nn.Module):
             self.norm(x.to(self.norm.weight.dtype)), pl))
 
 
+# the parameters ``mamba2_block_decode_`` reads (the gated norm's weight besides, when present)
+_FUSED_PATHS = (("norm", "weight"), ("mixer", "in_proj", "weight"), ("mixer", "in_proj", "bias"),
+                ("mixer", "conv1d", "weight"), ("mixer", "conv1d", "bias"), ("mixer", "dt_bias"),
+                ("mixer", "A_log"), ("mixer", "D"), ("mixer", "out_proj", "weight"),
+                ("mixer", "out_proj", "bias"))
+
+
 class Mamba2Block(MambaBlock):
     mixer_class = Mamba2Mixer
 
@@ -509,15 +516,8 @@ class Mamba2Block(MambaBlock):
         """The weights and shape arguments of ``mamba2_block_decode_``, cached while the
         parameters stay the same (``params_key``): gathering them through two dozen module
         attribute lookups took longer per layer and step than the rest of the Python path."""
-        paths = self.__dict__.get("_fused_paths")
-        if paths is None:
-            paths = self.__dict__["_fused_paths"] = tuple(
-                ("norm", "weight") if name == "norm" else ("mixer",) + tuple(name.split("."))
-                for name in ("norm", "in_proj.weight", "in_proj.bias", "conv1d.weight",
-                             "conv1d.bias", "dt_bias", "A_log", "D", "out_proj.weight",
-                             "out_proj.bias") + (("norm.weight",) if self.mixer.norm is not None
-                                                 else ()))
-        key = params_key(self, paths)
+        key = params_key(self, _FUSED_PATHS if self.mixer.norm is None
+                         else _FUSED_PATHS + (("mixer", "norm", "weight"),))
         cached = self.__dict__.get("_fused_cache")
         if cached is None or cached[0] != key:
             m = self.mixer
