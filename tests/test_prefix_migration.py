@@ -9,8 +9,9 @@ import torch
 from mcserve.config import EngineConfig, ModelConfig
 from mcserve.engine.llm import LLM
 from mcserve.engine.llm_engine import LLMEngine
+from mcserve.engine.prefix_keys import salt_digest
 from mcserve.engine.sampling import SamplingParams
-from mcserve.engine.state_cache import PrefixExport, salt_digest
+from mcserve.engine.state_cache import PrefixExport
 from mcserve.models.native import MCForCausalLM
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

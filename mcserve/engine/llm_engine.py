@@ -15,11 +15,12 @@ import torch
 
 from mcserve.config import EngineConfig, MCConfig, ModelConfig
 from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from mcserve.engine.prefix_keys import prompt_block_hashes, request_salt
 from mcserve.engine.runner import ModelRunner
 from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
 from mcserve.engine.scheduler import Scheduler
 from mcserve.engine.sequence import Sequence
-from mcserve.engine.state_cache import PrefixExport, StateCache, chain_hashes
+from mcserve.engine.state_cache import PrefixExport, StateCache
 from mcserve.engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -167,7 +168,7 @@ class LLMEngine:
         req = _Request(request_id, prompt, ids, params)
         arrival = next(self._arrival)
         # blocks computed under another top_k are never shared: the override salts the hashes
-        salt = self.cache.salt + (f"|top_k={mc_top_k}".encode() if mc_top_k else b"")
+        salt = request_salt(self.cache.salt, mc_top_k)
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), params,
                            generator=make_generator(params.seed, "cpu", i), arrival=arrival,
@@ -447,10 +448,8 @@ class LLMEngine:
                 and self.cache.num_blocks):
             return []
         mc_top_k = self._check_overrides(mc_overrides or {})
-        salt = self.cache.salt + (f"|top_k={mc_top_k}".encode() if mc_top_k else b"")
-        ids = [int(t) for t in token_ids]
-        C = self.mc.segment_len
-        return chain_hashes(ids, C, salt, max(0, (len(ids) - 1) // C))
+        salt = request_salt(self.cache.salt, mc_top_k)
+        return prompt_block_hashes([int(t) for t in token_ids], self.mc.segment_len, salt)
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many leading blocks of ``hashes`` (``prefix_hashes``) this engine has cached."""

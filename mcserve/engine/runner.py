@@ -25,9 +25,10 @@ from torch import Tensor
 
 from mcserve.config import MCConfig
 from mcserve.engine.cuda_graphs import DecodeGraphs, bucket, decode_buckets, table_buckets
+from mcserve.engine.prefix_keys import chain_hashes
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
-from mcserve.engine.state_cache import StateCache, chain_hashes
+from mcserve.engine.state_cache import StateCache
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.native import LayerState, MCForCausalLM, ModelState
 

@@ -15,8 +15,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mcserve.config import MCConfig
+from mcserve.engine.prefix_keys import chain_hashes
 from mcserve.engine.sequence import Sequence, Status
-from mcserve.engine.state_cache import StateCache, chain_hashes
+from mcserve.engine.state_cache import StateCache
 
 
 @dataclass

@@ -27,42 +27,15 @@ pool (LRU), so a sequence can have more cached segments than the device pool hol
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from mcserve.engine.prefix_keys import salt_digest
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.native import MCForCausalLM
-
-
-def block_hash(parent: bytes | None, token_ids: list[int], salt: bytes) -> bytes:
-    """One link of the chain: the hash of a segment's tokens after the segment hashed
-    ``parent`` (None: the first segment), under ``salt`` (model + MC configuration)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(salt)
-    h.update(b",".join(str(t).encode() for t in token_ids))
-    return h.digest()
-
-
-def chain_hashes(token_ids: list[int], segment_len: int, salt: bytes, stop: int,
-                 done: list[bytes] | None = None) -> list[bytes]:
-    """The prefix-cache keys of segments ``len(done) .. stop - 1`` of ``token_ids``.
-
-    Segment s covers tokens ``[s·segment_len, (s+1)·segment_len)``; its key chains the key of
-    segment s - 1 (the last of ``done``, the keys already computed), so equal keys mean equal
-    whole prefixes. The scheduler keys a prompt's segments with it to look them up, the runner
-    each segment as it completes to register its block: the same function, the same keys.
-    """
-    out: list[bytes] = []
-    parent = done[-1] if done else None
-    for s in range(len(done or ()), stop):
-        parent = block_hash(parent, token_ids[s * segment_len:(s + 1) * segment_len], salt)
-        out.append(parent)
-    return out
 
 
 class StateCache:
@@ -475,11 +448,6 @@ class StateCache:
     num_imported = 0  # blocks written by import_blocks
     bytes_exported = 0
     bytes_imported = 0
-
-
-def salt_digest(salt: bytes) -> bytes:
-    """A short fingerprint of a cache's hash salt (model + MC configuration)."""
-    return hashlib.blake2b(salt, digest_size=16).digest()
 
 
 @dataclass

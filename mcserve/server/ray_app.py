@@ -57,7 +57,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcserve.engine.outputs import RequestOutput
-from mcserve.engine.state_cache import chain_hashes
+from mcserve.engine.prefix_keys import chain_hashes, prompt_block_hashes, request_salt
 from mcserve.errors import InvalidRequestError
 from mcserve.server.app import DRAIN_SETTLE_S
 from mcserve.server.async_engine import (
@@ -759,9 +759,8 @@ class RemoteEngineView:
         if not self.caches_prefixes:
             return []
         k = (mc_overrides or {}).get("mc_top_k")
-        salt = self.salt + (f"|top_k={k}".encode() if isinstance(k, int) and k > 0 else b"")
-        C = self.segment_len
-        return chain_hashes(ids, C, salt, max(0, (len(ids) - 1) // C))
+        salt = request_salt(self.salt, k if isinstance(k, int) and k > 0 else None)
+        return prompt_block_hashes(ids, self.segment_len, salt)
 
 
 class RemoteAsyncEngine(AsyncEngine):
