@@ -1,10 +1,11 @@
 """Sampling parameters and the batched sampler (vLLM-compatible names and semantics).
 
-``SamplingParams`` holds one request's decoding settings and validates them. ``Sampler`` turns a
-batch of next-token logits into tokens, one ``SamplingParams`` and one ``torch.Generator`` per
-row. The processing (penalties, temperature, top-k, top-p, min-p) is vectorised over the batch;
-only the final multinomial draw loops over the seeded rows, so that a seeded request draws the
-same tokens whatever else is in the batch.
+``SamplingParams`` holds one request's decoding settings and validates them; it lives in the
+torch-free ``mcserve.engine.sampling_params`` (the HTTP server imports it from there) and is
+re-exported here. ``Sampler`` turns a batch of next-token logits into tokens, one
+``SamplingParams`` and one ``torch.Generator`` per row. The processing (penalties, temperature,
+top-k, top-p, min-p) is vectorised over the batch; only the final multinomial draw loops over
+the seeded rows, so that a seeded request draws the same tokens whatever else is in the batch.
 
 Logprob convention (as vLLM): every reported logprob is taken from the *raw* model distribution,
 ``log_softmax`` of the unprocessed logits, whatever penalties, temperature or truncation chose the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mcserve.engine.outputs import Logprob
-from mcserve.errors import InvalidRequestError
+from mcserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, _is_int
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -31,132 +32,7 @@ __all__ = [
     "prompt_logprobs",
 ]
 
-MAX_LOGPROBS = 20  # the most alternatives per token that ``logprobs`` / ``prompt_logprobs`` allow
-_GREEDY_EPS = 1e-5
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n completions apart
-
-
-# --- parameters ----------------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _invalid(name: str, message: str) -> InvalidRequestError:
-    """The error for field ``name``: its message starts with the name, ``param`` is the name."""
-    return InvalidRequestError(f"{name} {message}", param=name)
-
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
-    if not _is_int(value):
-        raise _invalid(name, f"must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise _invalid(name, f"must be {bound}, got {value}")
-
-
-def _check_float(name: str, value: object) -> float:
-    if not _is_number(value) or not math.isfinite(value):
-        raise _invalid(name, f"must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise _invalid(name, f"must be a boolean, got {value!r}")
-
-
-@dataclass
-class SamplingParams:
-    """Decoding settings of one request. Names, defaults and meanings follow vLLM.
-
-    ``stop`` and ``stop_token_ids`` are normalised to lists (``None`` -> ``[]``). Invalid values
-    raise ``InvalidRequestError`` (a ``ValueError``) whose ``param`` is the argument's name and
-    whose message starts with it.
-    """
-
-    n: int = 1  # completions per request
-    max_tokens: int | None = 16  # None: until EOS / a stop / the context limit
-    temperature: float = 1.0  # 0 (below 1e-5): greedy
-    top_p: float = 1.0  # nucleus: smallest set of tokens with total probability >= top_p
-    top_k: int = 0  # keep the k most likely tokens; 0 or -1: disabled
-    min_p: float = 0.0  # drop tokens whose probability < min_p * the top token's probability
-    seed: int | None = None  # per-request seed: the same seed reproduces the same tokens
-    stop: str | list[str] | None = None  # stop strings (not part of the output unless asked)
-    stop_token_ids: list[int] | None = None  # extra token ids that end the completion
-    ignore_eos: bool = False  # keep going past EOS
-    presence_penalty: float = 0.0  # subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # >1 discourages seen tokens (logit / p if > 0 else * p)
-    logprobs: int | None = None  # alternatives reported per generated token (0: sampled only)
-    prompt_logprobs: int | None = None  # alternatives reported per prompt token
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
-        self.temperature = _check_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise _invalid("temperature", f"must be >= 0, got {self.temperature}")
-        self.top_p = _check_float("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise _invalid("top_p", f"must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, -1)
-        self.min_p = _check_float("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise _invalid("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _invalid("seed", f"must be an integer or None, got {self.seed!r}")
-        self.stop = self._normalise_stop(self.stop)
-        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-        _check_bool("ignore_eos", self.ignore_eos)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = _check_float(name, getattr(self, name))
-            if not -2 <= value <= 2:
-                raise _invalid(name, f"must be in [-2, 2], got {value}")
-            setattr(self, name, value)
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise _invalid("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_int(name, value, 0, MAX_LOGPROBS)
-        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
-
-    @staticmethod
-    def _normalise_stop(stop: object) -> list[str]:
-        if stop is None:
-            return []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise _invalid("stop", f"must be a string or a list of strings, got {stop!r}")
-        if any(s == "" for s in stop):
-            raise _invalid("stop", "must not contain empty strings")
-        return list(stop)
-
-    @staticmethod
-    def _normalise_stop_token_ids(ids: object) -> list[int]:
-        if ids is None:
-            return []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise _invalid("stop_token_ids",
-                           f"must be a list of non-negative integers, got {ids!r}")
-        return list(ids)
-
-    @property
-    def greedy(self) -> bool:
-        """True when the temperature is (numerically) zero: the argmax token is taken."""
-        return self.temperature < _GREEDY_EPS
 
 
 def make_generator(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mcserve.engine.sampling import SamplingParams
+from mcserve.engine.sampling_params import SamplingParams
 from mcserve.errors import InvalidRequestError
 from mcserve.server import protocol as P
 from mcserve.server.errors import APIError

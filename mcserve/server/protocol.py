@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 MAX_N = 128  # completions per request (OpenAI's limit)
-MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling.MAX_LOGPROBS)
+MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling_params.MAX_LOGPROBS)
 MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_MESSAGES = 2048  # messages in one chat (or /tokenize) request

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mcserve.engine.sampling import SamplingParams
+from mcserve.engine.sampling_params import SamplingParams
 from mcserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
