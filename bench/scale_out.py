@@ -4,7 +4,7 @@
 
 Starts a local Ray cluster, and for each router (``state``: mcserve's ``StateAffinityRouter``;
 ``pow2``: Ray Serve's power-of-two-choices default) deploys ``--replicas`` engine replicas
-behind the OpenAI-compatible ingress (``mcserve.server.ray_app``), fresh caches each time, and
+behind the OpenAI-compatible ingress (``mcserve.server.ray``), fresh caches each time, and
 runs the same workload over HTTP:
 
 * ``--conversations`` multi-turn conversations, ``--concurrency`` of them at a time; every
@@ -251,12 +251,12 @@ def migration_probe(app_name: str, args: argparse.Namespace) -> dict[str, Any]:
     from ray import serve
 
     from mcserve.engine.sampling import SamplingParams
-    from mcserve.server.ray_app import ENGINE_DEPLOYMENT, known_replicas
+    from mcserve.server.ray import ENGINE_DEPLOYMENT, known_replicas
 
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name)
     a, b = known_replicas(app_name)[:2]
     info = handle.info.remote({"to": a}).result(timeout_s=60)
-    from mcserve.server.ray_app import RemoteEngineView
+    from mcserve.server.ray import RemoteEngineView
 
     view = RemoteEngineView(info, tokenizer=None)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -306,7 +306,7 @@ def bench_router(router: str, args: argparse.Namespace, port: int) -> dict[str, 
     import httpx
     from ray import serve
 
-    from mcserve.server.ray_app import RayServeOptions, deploy
+    from mcserve.server.ray import RayServeOptions, deploy
 
     engine: dict[str, Any] = {"max_num_seqs": args.concurrency,
                               "max_model_len": max(8192, 2 * args.migrate_tokens)}
@@ -327,7 +327,7 @@ def bench_router(router: str, args: argparse.Namespace, port: int) -> dict[str, 
     system = fit_text(client, args.system_tokens, seed=1)
     from ray import serve as _serve
 
-    from mcserve.server.ray_app import ENGINE_DEPLOYMENT, RemoteEngineView
+    from mcserve.server.ray import ENGINE_DEPLOYMENT, RemoteEngineView
 
     info = _serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name).info.remote().result(
         timeout_s=60)

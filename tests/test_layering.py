@@ -145,3 +145,54 @@ def test_cycle_finder_finds_cycles() -> None:
 
 def test_shared_cli_module_imports_no_subpackage(graph) -> None:
     assert all(t == "mcserve" for t, _, _ in graph["mcserve.cli_args"])
+
+
+def test_ray_router_imports_nothing_of_mcserve(graph) -> None:
+    """Ray pickles the router's module by value into every process that routes
+    (``RequestRouterConfig``): it must stand on Ray and the standard library alone."""
+    assert graph["mcserve.server.ray.router"] == []
+
+
+# run in a fresh interpreter: imports each module in turn, and names the first after which
+# torch is loaded
+_TORCH_PROBE = """
+import importlib, json, sys
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+    if "torch" in sys.modules:
+        print(name)
+        break
+"""
+
+
+def test_server_modules_import_no_torch() -> None:
+    """Every module of ``mcserve.server`` imports without torch: ``protocol``, ``params``,
+    ``state``, ``errors``, ``prompts``, ``shape``, ``streaming``, ``metrics``, ``middleware``,
+    ``async_engine``, ``serving_chat``, ``serving_completion``, ``app``, ``cli_serve``, and the
+    Ray scale-out package ``ray`` (``options``, ``router``, ``ingress``, ``replica``,
+    ``metrics``, ``middleware``, ``deployment``; checked when Ray is installed).
+
+    The server takes ``SamplingParams`` from the torch-free ``mcserve.engine.sampling_params``
+    (``mcserve.engine.sampling``, the torch ``Sampler``, re-exports it) and the rest of the
+    engine layer it imports at module level is torch-free too (``outputs``, ``prefix_keys``,
+    ``tokenizer``). None of them is exempt: the ones that run the engine in-process import it
+    (and so torch) inside the functions that build it, at run time: ``cli_serve.run_serve``
+    (``LLMEngine``), ``ray.replica.MCServeEngine.__init__`` (torch, ``LLMEngine``) and the Ray
+    ingress's start (``ray.ingress._model_dir``: ``DEFAULT_MODEL_DIR`` of ``llm_engine``).
+    """
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    names = [n for n in _modules() if _in(n, "mcserve.server")]
+    assert {"mcserve.server.protocol", "mcserve.server.params", "mcserve.server.app",
+            "mcserve.server.serving_chat", "mcserve.server.ray.ingress",
+            "mcserve.server.ray.router"} <= set(names)
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        names = [n for n in names if not _in(n, "mcserve.server.ray")]
+    out = subprocess.run([sys.executable, "-c", _TORCH_PROBE, json.dumps(names)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr
+    culprit = out.stdout.strip()
+    assert not culprit, f"importing {culprit} loads torch"

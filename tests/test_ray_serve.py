@@ -1,4 +1,4 @@
-"""Scale-out with Ray Serve (mcserve/server/ray_app.py): two engine replicas of a tiny model on a
+"""Scale-out with Ray Serve (mcserve/server/ray/): two engine replicas of a tiny model on a
 local Ray cluster (loopback), one Serve application for the whole module.
 
 Affinity (the turns of a conversation land on one replica), fallback to the least loaded
@@ -36,12 +36,11 @@ from mcserve.engine.llm_engine import LLMEngine  # noqa: E402
 from mcserve.engine.sampling import SamplingParams  # noqa: E402
 from mcserve.kernels import cpu as cpu_ops  # noqa: E402
 from mcserve.models.native import MCForCausalLM  # noqa: E402
-from mcserve.server.ray_app import (  # noqa: E402
+from mcserve.server.ray import (  # noqa: E402
     ENGINE_DEPLOYMENT,
     REPLICA_HEADER,
     DeploymentFailed,
     RayServeOptions,
-    _export_when_computed,
     app_builder,
     build_serve_app,
     deploy,
@@ -49,6 +48,7 @@ from mcserve.server.ray_app import (  # noqa: E402
     merge_metrics,
     options_from_args,
 )
+from mcserve.server.ray.replica import _export_when_computed  # noqa: E402
 
 APP = "mcserve-test"
 SEG = 16

@@ -377,7 +377,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _run_serve_ray(args: argparse.Namespace) -> int:
     """``--replicas N``: the same API, flags, errors and drain, over Ray Serve replicas."""
     try:
-        from mcserve.server.ray_app import run_serve_ray
+        from mcserve.server.ray import run_serve_ray
     except ImportError as e:
         raise CLIError(f"--replicas needs Ray Serve ({e.name} is missing): pip install "
                        "'mcserve[serve-ray]'") from None
