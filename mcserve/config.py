@@ -216,7 +216,7 @@ class EngineConfig:
     # enough for every slot at max_model_len, capped by state_cache_mib, and none at all for
     # variants that cache nothing (none, loglinear)
     num_state_blocks: int | None = None
-    state_cache_mib: int = 1024  # memory budget (MiB) of the automatic block pool
+    state_cache_mib: int = 1024  # budget (MiB) of the automatic block pool and the resume points
     # CPU: run nn.Linear layers through oneDNN-packed weight copies (models/packed_linear.py);
     # 2-3x faster GEMMs at decode batch sizes, at the cost of a second copy of the weights
     cpu_packed_weights: bool = True
@@ -224,7 +224,16 @@ class EngineConfig:
     # otherwise); the CPU never uses them
     enforce_eager: bool = False
     host_state_blocks: int = 0  # host tier for preempted sequences' blocks (0 = recompute)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # prefix blocks and resume points (docs/engine.md)
+    # resume points (the whole recurrent state at a token position, docs/engine.md): one every
+    # checkpoint_interval prompt tokens (None: picked from the state's size and the budget;
+    # 0: no grid, only request ends, chat message ends and explicit positions)
+    checkpoint_interval: int | None = None
+    # a host-memory tier (MiB) that resume points spill to from a GPU before the disk or being
+    # dropped; unused on the CPU, whose device tier is host memory already
+    host_state_cache_mib: int = 4096
+    state_cache_dir: str | None = None  # disk tier of resume points (survives a restart)
+    state_cache_disk_gib: float = 8.0  # bound of the disk tier
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # global sampling seed for requests without their own
@@ -244,8 +253,20 @@ class EngineConfig:
                 continue
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        if not isinstance(self.host_state_blocks, int) or self.host_state_blocks < 0:
-            raise ValueError(f"host_state_blocks must be >= 0, got {self.host_state_blocks!r}")
+        for name in ("host_state_blocks", "host_state_cache_mib"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {val!r}")
+        ci = self.checkpoint_interval
+        if ci is not None and (not isinstance(ci, int) or isinstance(ci, bool) or ci < 0):
+            raise ValueError(f"checkpoint_interval must be an integer >= 0 (0: no grid), got "
+                             f"{ci!r}")
+        gib = self.state_cache_disk_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+            raise ValueError(f"state_cache_disk_gib must be a number > 0, got {gib!r}")
+        if self.state_cache_dir is not None and not isinstance(self.state_cache_dir, str):
+            raise ValueError(f"state_cache_dir must be a path string, got "
+                             f"{self.state_cache_dir!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.mc_variant is not None and self.mc_variant not in VARIANTS:

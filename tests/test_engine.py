@@ -341,13 +341,18 @@ def test_automatic_block_pool_size():
     # None: enough for every slot at max_model_len (128 // C=4 = 32 blocks each) ...
     grm = make_engine(make_model(), num_state_blocks=None, max_num_seqs=3)
     assert grm.cache.num_blocks == 3 * 32
-    # ... capped by the memory budget ...
+    # ... capped by the memory budget (three quarters of it with prefix caching: the resume
+    # points take the rest) ...
     per = StateCache.block_bytes(grm.model)
     assert per == grm.cache.bytes_per_block > 0
     mib = 1
     capped = make_engine(make_model(), num_state_blocks=None, max_num_seqs=3, max_model_len=4096,
                          state_cache_mib=mib)
-    assert capped.cache.num_blocks == 2**20 // per
+    assert capped.cache.num_blocks == 3 * 2**20 // 4 // per
+    assert capped.resume.budget_bytes == 2**20 - capped.cache.num_blocks * per
+    whole = make_engine(make_model(), num_state_blocks=None, max_num_seqs=3, max_model_len=4096,
+                        state_cache_mib=mib, enable_prefix_caching=False)
+    assert whole.cache.num_blocks == 2**20 // per
     # ... and no pool at all when the variant caches nothing; it still generates
     none = make_engine(make_model(variant="none"), num_state_blocks=None)
     assert none.cache.num_blocks == 0

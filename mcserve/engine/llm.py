@@ -16,7 +16,7 @@ from mcserve.config import EngineConfig
 from mcserve.engine.llm_engine import LLMEngine
 from mcserve.engine.outputs import RequestOutput
 from mcserve.engine.sampling import SamplingParams
-from mcserve.engine.tokenizer import Tokenizer
+from mcserve.engine.tokenizer import Tokenizer, chat_resume_positions
 
 #: a prompt: text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
 PromptType = str | Seq[int] | Mapping[str, Any]
@@ -78,14 +78,18 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         priority: Seq[int] | None = None,
+        resume_positions: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
         A prompt is a string, a list of token ids, or a dict with ``"prompt"`` (text) or
-        ``"prompt_token_ids"``. ``use_tqdm`` shows a progress bar over finished requests (True:
-        tqdm when installed; a callable: called like tqdm's constructor with ``total``,
-        ``desc`` and ``dynamic_ncols``). ``lora_request`` must be None and ``priority`` None
-        or all zeros (ValueError otherwise)."""
+        ``"prompt_token_ids"``, and optionally ``"resume_positions"``: token positions of the
+        prompt where the engine keeps a resume point (the end of a document or a system prompt
+        that later prompts share; they then compute only what follows). ``resume_positions``
+        applies to every prompt without its own. ``use_tqdm`` shows a progress bar over
+        finished requests (True: tqdm when installed; a callable: called like tqdm's
+        constructor with ``total``, ``desc`` and ``dynamic_ncols``). ``lora_request`` must be
+        None and ``priority`` None or all zeros (ValueError otherwise)."""
         if isinstance(prompts, (str, Mapping)) or (
                 isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -104,7 +108,10 @@ class LLM:
         try:
             for rid, prompt, p in zip(ids, prompts, params, strict=True):
                 text, token_ids = self._split_prompt(prompt)
-                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                marks = (prompt.get("resume_positions", resume_positions)
+                         if isinstance(prompt, Mapping) else resume_positions)
+                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids,
+                                        resume_positions=None if marks is None else list(marks))
                 added.append(rid)
             bar = _progress_bar(use_tqdm, len(ids))
             done: dict[str, RequestOutput] = {}
@@ -148,14 +155,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, through the chat template
         (``chat_template``: a Jinja template used instead of the tokenizer's own). The rendered
-        text is tokenized without adding special tokens (the template writes its own BOS)."""
+        text is tokenized without adding special tokens (the template writes its own BOS). The
+        engine keeps resume points where messages end (``chat_resume_positions``), so the next
+        turn of a conversation computes only its new tokens."""
         convs = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tok = self.tokenizer
         prompts: list[PromptType] = []
         for conv in convs:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids,
+                            "resume_positions": chat_resume_positions(
+                                tok, conv, ids, chat_template=chat_template)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)

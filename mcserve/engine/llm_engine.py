@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from mcserve.config import EngineConfig, MCConfig, ModelConfig
 from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mcserve.engine.prefix_keys import prompt_block_hashes, request_salt
+from mcserve.engine.resume import ResumeStore
 from mcserve.engine.runner import ModelRunner
 from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
 from mcserve.engine.scheduler import Scheduler
@@ -32,6 +34,8 @@ from mcserve.errors import InvalidRequestError
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.packed_linear import pack_linears
 from mcserve.models.registry import is_checkpoint_file, load_model
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
 
@@ -93,6 +97,10 @@ class LLMEngine:
             # then replays instead of launching its kernels one by one
             self.runner.capture_decode_graphs()
         self.scheduler.on_release = self.runner.release
+        self.resume = self._resume_store(config, salt)
+        self.checkpoint_interval = self._checkpoint_interval(config)
+        self.scheduler.resume = self.runner.resume = self.resume
+        self.scheduler.interval = self.checkpoint_interval
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._arrival = itertools.count()
@@ -105,14 +113,56 @@ class LLMEngine:
         """``num_state_blocks``, or when None: every slot at ``max_model_len`` (one block per
         completed segment), capped by the ``state_cache_mib`` budget; zero for variants whose
         checkpoints are not pool blocks (a block of a 130M Mamba2 is 19 MB, so a fixed count
-        can exhaust host memory)."""
+        can exhaust host memory). With prefix caching the blocks get three quarters of the
+        budget and the resume points the rest."""
         if config.num_state_blocks is not None:
             return config.num_state_blocks
         if not mc.caches_blocks:
             return 0
         want = config.max_num_seqs * (config.max_model_len // mc.segment_len)
-        budget = config.state_cache_mib * 2**20 // StateCache.block_bytes(self.model)
+        # with prefix caching, a quarter of the budget is left to the resume points
+        share = 3 if config.enable_prefix_caching else 4
+        budget = config.state_cache_mib * 2**20 * share // 4 // StateCache.block_bytes(self.model)
         return max(1, min(want, budget))
+
+    def _resume_store(self, config: EngineConfig, salt: bytes) -> ResumeStore | None:
+        """The resume points' store: the part of ``state_cache_mib`` the block pool leaves
+        (at least a quarter of it), a host tier on a GPU, the disk tier when a directory is
+        given. None with prefix caching off."""
+        if not config.enable_prefix_caching:
+            return None
+        total = config.state_cache_mib * 2**20
+        pool = self.cache.bytes_per_block * self.num_state_blocks
+        layout = [{name: (tuple(t.shape[1:]), t.dtype) for name, t in sl.items()}
+                  for sl in self.cache.slot]
+        return ResumeStore(
+            salt, layout, device=self.model.device, budget_bytes=max(total - pool, total // 4),
+            host_bytes=config.host_state_cache_mib * 2**20, disk_dir=config.state_cache_dir,
+            disk_bytes=int(config.state_cache_disk_gib * 2**30))
+
+    def _checkpoint_interval(self, config: EngineConfig) -> int:
+        """``checkpoint_interval``, or when None: 256 prompt tokens if the budget holds 32
+        resume points of this model, else the power-of-two multiple of 256 that keeps the
+        grid of a ``max_model_len`` prompt within about 32 points (at most 4096)."""
+        if self.resume is None:
+            return 0
+        if config.checkpoint_interval is not None:
+            return config.checkpoint_interval
+        fit = self.resume.capacity()
+        interval = 256
+        while interval < 4096 and fit < 32 and interval * 32 < config.max_model_len:
+            interval *= 2
+            fit *= 2
+        return interval
+
+    def close(self) -> None:
+        """Write the resume points held in memory to the disk tier (``state_cache_dir``), so
+        that a restarted engine finds them. Call it once the engine is done."""
+        if self.resume is not None:
+            n = self.resume.flush()
+            if n:
+                log.info("state cache: %d resume point(s) written to %s", n,
+                         self.config.state_cache_dir)
 
     # ------------------------------------------------------------------ describe
     def describe(self) -> str:
@@ -122,15 +172,25 @@ class LLMEngine:
                 f"device={c.device} dtype={c.dtype} slots={c.max_num_seqs} "
                 f"blocks={self.num_state_blocks} "
                 f"({self.cache.bytes_per_block * self.num_state_blocks / 2**20:.0f} MiB) "
-                f"prefix_caching={c.enable_prefix_caching}")
+                f"prefix_caching={c.enable_prefix_caching}"
+                + (f" resume_points={self.resume.capacity()} "
+                   f"({self.resume.row_bytes / 2**20:.1f} MiB each, one every "
+                   f"{self.checkpoint_interval or 'no'} prompt tokens"
+                   + (f", disk tier {c.state_cache_dir}" if c.state_cache_dir else "") + ")"
+                   if self.resume is not None else ""))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     *, prompt_token_ids: list[int] | None = None,
-                    mc_overrides: dict | None = None) -> None:
+                    mc_overrides: dict | None = None,
+                    resume_positions: list[int] | None = None) -> None:
         """Queue a request. A request the engine refuses raises ``InvalidRequestError`` (a
         ``ValueError``) whose ``param`` names the field at fault (``"prompt"``, ``"max_tokens"``,
-        ``"mc_top_k"``...; None for ``request_id`` and ``params``)."""
+        ``"mc_top_k"``...; None for ``request_id`` and ``params``).
+
+        ``resume_positions``: prompt positions (1 .. prompt length) where the engine keeps a
+        resume point as it computes the prompt (a document's or a system prompt's end, chat
+        message ends); a later prompt that starts with the same tokens resumes there."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
@@ -165,6 +225,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the request needs up to {min(total, L) // C} state blocks but the pools hold "
                 f"{room} (num_state_blocks, host_state_blocks for ssc)")
+        marks = self._check_positions(resume_positions, len(ids))
         req = _Request(request_id, prompt, ids, params)
         arrival = next(self._arrival)
         # blocks computed under another top_k are never shared: the override salts the hashes
@@ -172,7 +233,7 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), params,
                            generator=make_generator(params.seed, "cpu", i), arrival=arrival,
-                           mc_top_k=mc_top_k, salt=salt)
+                           mc_top_k=mc_top_k, salt=salt, resume_at=marks)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
@@ -180,6 +241,20 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = req
         self.prompt_tokens_total += len(ids)
+
+    @staticmethod
+    def _check_positions(positions: list[int] | None, n: int) -> tuple[int, ...]:
+        if positions is None:
+            return ()
+        try:
+            got = [int(p) for p in positions]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("resume_positions must be a list of integers",
+                                      param="resume_positions") from None
+        if any(isinstance(p, bool) or not 1 <= q <= n for p, q in zip(positions, got)):
+            raise InvalidRequestError(f"resume_positions must lie in [1, {n}] (the prompt's "
+                                      f"tokens)", param="resume_positions")
+        return tuple(sorted(set(got)))
 
     def _check_overrides(self, overrides: dict) -> int | None:
         """Per-request MC settings this model allows: ``mc_top_k`` for a selecting variant
@@ -389,6 +464,7 @@ class LLMEngine:
                 text = seq.detok.text
             seq.text = text
             seq.finish_reason, seq.stop_reason = reason, stop
+            self.runner.keep(seq)  # a client that sends the conversation on resumes here
             self.scheduler.finish(seq)
         else:
             hold = stop_holdback(text, p.stop) if p.stop else 0
@@ -436,6 +512,10 @@ class LLMEngine:
             "host_blocks_fetched": c.num_fetched,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,
+            "prompt_tokens_computed": (self.scheduler.prompt_tokens_admitted
+                                       - self.scheduler.prompt_tokens_cached),
+            **(self.resume.stats() if self.resume is not None else {}),
         }
 
     # ------------------------------------------------------------------ prefix export / import

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +27,7 @@ from torch import Tensor
 from mcserve.config import MCConfig
 from mcserve.engine.cuda_graphs import DecodeGraphs, bucket, decode_buckets, table_buckets
 from mcserve.engine.prefix_keys import chain_hashes
+from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
@@ -54,6 +56,7 @@ class ModelRunner:
         # layer): the sequences keep their model state privately instead of in the pools
         self.private = mc.log_segmented
         self.states: dict[int, ModelState] = {}
+        self.resume: ResumeStore | None = None  # resume points (set by the engine)
         # static decode (``static_forward``): the batch padded to a bucket of
         # ``batch_buckets``, the block table to one of ``width_buckets`` (the most cached
         # segments a sequence can have: max_model_len's, and no more than the pools hold); the
@@ -82,12 +85,37 @@ class ModelRunner:
         """Forget a sequence's private state (loglinear) when it finishes or is preempted."""
         self.states.pop(seq.seq_id, None)
 
-    def init_slot(self, seq: Sequence, resume_block: int) -> None:
-        if resume_block < 0:
+    def init_slot(self, seq: Sequence, resume_block: int,
+                  point: ResumePoint | None = None) -> None:
+        """(Re)initialise ``seq``'s slot: from resume point ``point`` (unpinned once copied),
+        else fresh (``resume_block`` -1) or from the checkpoint of block ``resume_block``."""
+        if point is not None:
+            for sl, rows in zip(self.cache.slot, point.rows, strict=True):
+                for name, t in sl.items():
+                    t[seq.slot].copy_(rows[name], non_blocking=True)
+            self.resume.unpin(point)
+        elif resume_block < 0:
             self.cache.clear_slot(seq.slot, self.init_mem)
         else:
             init = self.init_mem if self.mc.independent else [None] * len(self.init_mem)
             self.cache.copy_block_to_slot(resume_block, seq.slot, init)
+
+    def keep(self, seq: Sequence) -> None:
+        """Keep ``seq``'s state as it is now (``num_computed_tokens`` tokens in) as a resume
+        point: a copy of its slot row, or of its private state. Already kept: made recent."""
+        pos = seq.num_computed_tokens
+        if self.resume is None or pos == 0:
+            return
+        key = seq.resume_key(pos)
+        if self.resume.has(key):
+            self.resume.touch(key)
+        elif self.private:
+            if seq.seq_id in self.states:
+                self.resume.put_private(key, pos, seq.segment_fill, self.states[seq.seq_id])
+        elif seq.slot is not None:
+            rows = [{name: t[seq.slot].clone() for name, t in sl.items()}
+                    for sl in self.cache.slot]
+            self.resume.put_rows(key, pos, seq.segment_fill, rows)
 
     def load_state(self, seq: Sequence) -> ModelState:
         """A batch-of-one model state for ``seq`` from its slot and block table."""
@@ -181,7 +209,7 @@ class ModelRunner:
         seqs = [it.seq for it in items]
         for it in items:
             if it.resume_block is not None:
-                self.init_slot(it.seq, it.resume_block)
+                self.init_slot(it.seq, it.resume_block, it.resume_point)
         states = [self.load_state(q) for q in seqs]
         lens = [it.num_tokens for it in items]
         ids = [t for q, n in zip(seqs, lens, strict=True)
@@ -197,6 +225,9 @@ class ModelRunner:
         if self.caches_blocks:
             self._write_checkpoints(items, states)
         self.store_state(seqs, states)
+        for it in items:
+            if it.snapshot:
+                self.keep(it.seq)
         if order == sorted(order):
             return logits
         back = [0] * len(order)
@@ -213,12 +244,19 @@ class ModelRunner:
         if self.private:
             x = torch.tensor([seq.all_ids[seq.num_computed_tokens:][:item.num_tokens]],
                              device=self.model.device)
-            state = None if item.resume_block is not None else self.states[seq.seq_id]
+            rp = item.resume_point
+            if rp is not None:
+                state = copy.deepcopy(rp.private)
+                self.resume.unpin(rp)
+            else:
+                state = None if item.resume_block is not None else self.states[seq.seq_id]
             logits, self.states[seq.seq_id] = self.model(x, state, last_only=not want_all_logits)
             seq.num_computed_tokens += item.num_tokens
+            if item.snapshot:
+                self.keep(seq)
             return logits[0] if want_all_logits else logits[0, -1:]
         if item.resume_block is not None:
-            self.init_slot(seq, item.resume_block)
+            self.init_slot(seq, item.resume_block, item.resume_point)
         state = self.load_state(seq)
         n = item.num_tokens
         x = torch.tensor([seq.all_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]],
@@ -231,6 +269,8 @@ class ModelRunner:
         if self.caches_blocks:
             self._write_checkpoints([item], [state])
         self.store_state([seq], state)
+        if item.snapshot:
+            self.keep(seq)
         return logits[0]
 
     def _write_checkpoints(self, items: list[ScheduledSeq], states: list[ModelState]) -> None:

@@ -11,13 +11,17 @@ nothing starves.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from mcserve.config import MCConfig
 from mcserve.engine.prefix_keys import chain_hashes
+from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.sequence import Sequence, Status
 from mcserve.engine.state_cache import StateCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +31,8 @@ class ScheduledSeq:
     new_blocks: list[int]  # blocks for the segments this step completes, in order
     resume_block: int | None = None  # set when the slot must be (re)initialised: -1 = fresh
     #                                  sequence, otherwise the prefix block to resume from
+    resume_point: ResumePoint | None = None  # the slot starts from this (pinned) point
+    snapshot: bool = False  # keep a resume point where this chunk ends
 
 
 @dataclass
@@ -58,6 +64,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_swaps = 0
+        # resume points (set by the engine): the store, and the grid of prompt positions to
+        # keep them at (0: none)
+        self.resume: ResumeStore | None = None
+        self.interval = 0
+        self.prompt_tokens_admitted = 0  # prompt tokens of admitted sequences (first time)
+        self.prompt_tokens_cached = 0  # ... of which came from the state cache
         self.on_release = lambda seq: None  # the runner forgets per-sequence private state
 
     # ------------------------------------------------------------------ queue
@@ -111,6 +123,12 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute now: all that is left, or the longest budget-fitting piece that
         ends on a segment boundary (and completes at most half the device pool's blocks)."""
+        n = self._fit_chunk(seq, budget)
+        p = seq.num_computed_tokens
+        q = self._next_mark(seq, p)
+        return q - p if n > 0 and q is not None and q < p + n else n
+
+    def _fit_chunk(self, seq: Sequence, budget: int) -> int:
         left = seq.num_uncomputed
         C = self.mc.segment_len
         if self.caches_blocks:
@@ -121,6 +139,26 @@ class Scheduler:
             return budget
         p = seq.num_computed_tokens
         return max(0, (p + budget) // C * C - p)
+
+    def _next_mark(self, seq: Sequence, p: int) -> int | None:
+        """The first prompt position after ``p`` to keep a resume point at: the grid
+        (``interval``) or a position the request asked for. Chunks end there."""
+        if self.resume is None:
+            return None
+        best = None
+        if self.interval:
+            q = (p // self.interval + 1) * self.interval
+            if q <= len(seq.prompt_ids):
+                best = q
+        for q in seq.resume_at:
+            if q > p:
+                best = q if best is None else min(best, q)
+                break
+        return best
+
+    def _item(self, seq: Sequence, n: int, blocks: list[int], **kw) -> ScheduledSeq:
+        p = seq.num_computed_tokens
+        return ScheduledSeq(seq, n, blocks, snapshot=self._next_mark(seq, p) == p + n, **kw)
 
     def _offload_for(self, seq: Sequence) -> bool:
         """Free a device block by moving one of ``seq``'s own (else the oldest running
@@ -139,6 +177,25 @@ class Scheduler:
             return []
         ids, C = seq.all_ids, self.mc.segment_len
         return chain_hashes(ids, C, seq.salt, (len(ids) - 1) // C)
+
+    def _resume_lookup(self, seq: Sequence, n_hits: int) -> ResumePoint | None:
+        """The deepest resume point of ``seq``'s tokens past its ``n_hits`` cached blocks
+        (pinned), or None. With segment blocks, a point must lie in the segment after the
+        last cached block (the blocks before it are what MC reads); at least one token is left
+        to compute (its logits are needed); prompt logprobs need every position computed."""
+        if self.resume is None or seq.params.prompt_logprobs is not None:
+            return None
+        hi = seq.num_tokens - 1
+        lo = seq.num_computed_tokens + 1
+        if self.caches_blocks:
+            hi = min(hi, (n_hits + 1) * self.mc.segment_len - 1)
+        if hi < lo:
+            return None
+        rp, why = self.resume.lookup(seq.all_ids, seq.salt, lo, hi)
+        if rp is None and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: no resume point past token %d (%s)", seq.request_id,
+                      lo - 1, why)
+        return rp
 
     def _being_computed(self, seq: Sequence, hashes: list[bytes]) -> bool:
         """Whether the first segment of ``hashes`` that is not cached is being computed by a
@@ -159,6 +216,26 @@ class Scheduler:
                     return True
         return False
 
+    def _awaits_resume(self, seq: Sequence) -> bool:
+        """Whether a running prefill of another request (same salt) will keep a resume point
+        inside ``seq``'s tokens at its next chunk's end, with the same tokens before it: then
+        ``seq`` waits for it (16 users that send one new system prompt at once compute it
+        once)."""
+        if self.resume is None:
+            return False
+        ids = None
+        for s in self.running:
+            if s.request_id == seq.request_id or s.salt != seq.salt or not s.is_prefill:
+                continue
+            q = self._next_mark(s, s.num_computed_tokens)
+            if q is None or q >= seq.num_tokens or self.resume.has(s.resume_key(q)):
+                continue
+            if ids is None:
+                ids = seq.all_ids
+            if ids[:q] == s.all_ids[:q]:
+                return True
+        return False
+
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Admit a swapped-out sequence; returns the tokens scheduled (0: it must wait)."""
         n = self._chunk(seq, budget)
@@ -177,7 +254,7 @@ class Scheduler:
         self.waiting.popleft()
         seq.status = Status.RUNNING
         self.running.append(seq)
-        item = ScheduledSeq(seq, n, blocks)
+        item = self._item(seq, n, blocks)
         (out.prefills if seq.is_prefill else out.decodes).append(item)
         return n
 
@@ -202,7 +279,7 @@ class Scheduler:
                 continue
             blocks = self.cache.allocate(need)
             budget -= n
-            item = ScheduledSeq(seq, n, blocks)
+            item = self._item(seq, n, blocks)
             (out.prefills if seq.is_prefill else out.decodes).append(item)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -213,8 +290,8 @@ class Scheduler:
                 budget -= n
                 continue
             hashes = self.prefix_hashes(seq)
-            if self._being_computed(seq, hashes):
-                break  # its next segment completes in a running prefill: reuse it next step
+            if self._being_computed(seq, hashes) or self._awaits_resume(seq):
+                break  # a running prefill is computing its prefix: reuse it next step
             slot = self.cache.allocate_slot()
             if slot is None:
                 break
@@ -222,20 +299,31 @@ class Scheduler:
             seq.slot, seq.block_table = slot, hits
             seq.block_hashes = hashes[:len(hits)]
             seq.num_computed_tokens = len(hits) * self.mc.segment_len
-            seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_ids))
             seq.segment_fill = 0
+            rp = self._resume_lookup(seq, len(hits))
+            if rp is not None:
+                seq.num_computed_tokens, seq.segment_fill = rp.pos, rp.segment_fill
+            seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_ids))
             n = self._chunk(seq, budget)
             need = self._blocks_needed(seq, n)
             blocks = self.cache.allocate(need) if n > 0 else None
             if blocks is None:  # undo; the head waits (FCFS: nobody overtakes it)
+                if rp is not None:
+                    self.resume.unpin(rp)
                 self._release(seq)
                 seq.num_computed_tokens = 0
+                seq.segment_fill = 0
                 seq.block_hashes = []
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if not seq.admitted:
+                seq.admitted = True
+                self.prompt_tokens_admitted += len(seq.prompt_ids)
+                self.prompt_tokens_cached += seq.num_cached_tokens
             budget -= n
             resume = hits[-1] if hits else -1
-            out.prefills.append(ScheduledSeq(seq, n, blocks, resume_block=resume))
+            out.prefills.append(self._item(seq, n, blocks, resume_block=resume,
+                                           resume_point=rp))
         return out

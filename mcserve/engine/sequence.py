@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcserve.engine.outputs import Logprob
+from mcserve.engine.prefix_keys import ResumeHasher
 from mcserve.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -48,6 +49,9 @@ class Sequence:
     error: str | None = None
     mc_top_k: int | None = None  # per-request override of MCConfig.top_k (selecting variants)
     salt: bytes = b""  # prefix-hash salt: model + MC config (+ per-request MC overrides)
+    resume_at: tuple[int, ...] = ()  # prompt positions to keep resume points at (sorted)
+    hasher: ResumeHasher | None = field(default=None, repr=False)  # resume keys of all_ids
+    admitted: bool = False  # admitted once (its cached prompt tokens are counted)
     _table_cache: tuple | None = field(default=None, repr=False)
 
     @property
@@ -70,6 +74,13 @@ class Sequence:
                       torch.tensor(self.block_table, dtype=torch.long, device=device))
             self._table_cache = cached
         return cached[1]
+
+    def resume_key(self, pos: int) -> bytes:
+        """The resume key of this sequence's first ``pos`` tokens (incremental: positions
+        usually grow)."""
+        if self.hasher is None:
+            self.hasher = ResumeHasher(self.salt)
+        return self.hasher.key(self.all_ids, pos)
 
     @property
     def num_tokens(self) -> int:

@@ -55,15 +55,24 @@ _ENGINE_HELP = {
     "num_state_blocks": ("device pool of cached segment states (each holds all layers)",
                          "sized from --max-num-seqs x --max-model-len, capped by "
                          "--state-cache-mib; none for variants that cache nothing"),
-    "state_cache_mib": ("memory budget in MiB of the automatically sized state pool", None),
+    "state_cache_mib": ("memory budget in MiB of the state cache (segment blocks, sized "
+                        "automatically, and resume points)", None),
     "cpu_packed_weights": ("on CPU, run linear layers through oneDNN-packed copies of their "
                            "weights (faster, twice the weight memory)", None),
     "enforce_eager": ("on CUDA, run the decode step eagerly instead of replaying CUDA graphs "
                       "captured at start-up", None),
     "host_state_blocks": ("host-memory tier for the state blocks of preempted sequences "
                           "(0: recompute them instead)", None),
-    "enable_prefix_caching": ("reuse the cached segment states of a shared prompt prefix",
-                              None),
+    "enable_prefix_caching": ("reuse cached states of a shared prompt prefix: segment blocks "
+                              "and resume points", None),
+    "checkpoint_interval": ("keep a resume point every N prompt tokens (0: only at request "
+                            "ends, chat message ends and requested positions)",
+                            "256 when the budget holds 32 of the model's states, else larger"),
+    "host_state_cache_mib": ("host-memory tier (MiB) resume points spill to from a GPU "
+                             "(unused on the CPU)", None),
+    "state_cache_dir": ("directory of the disk tier of resume points: evicted ones are kept "
+                        "there and found again after a restart", "no disk tier"),
+    "state_cache_disk_gib": ("bound of the disk tier in GiB", None),
     "dtype": ("weights and activations", None),
     "device": (DEVICE_HELP, None),
     "seed": ("sampling seed of requests that bring none", None),
@@ -75,7 +84,8 @@ _ENGINE_HELP = {
                     "number, one per layer (comma-separated) or a JSON file such as mcserve "
                     "eval calibrate-delta writes", "1, the model as trained"),
 }
-_METAVARS = {"tokenizer": "DIR", "dtype": "DTYPE", "device": "DEVICE", "delta_scale": "S"}
+_METAVARS = {"tokenizer": "DIR", "state_cache_dir": "DIR", "dtype": "DTYPE", "device": "DEVICE",
+             "delta_scale": "S"}
 
 
 def _delta_scale_arg(text: str) -> Any:

@@ -1,0 +1,401 @@
+"""Resume points: the whole recurrent state of a sequence at a token position, kept so that a
+later request whose prompt starts with the same tokens computes only the rest (docs/engine.md).
+
+A resume point is a copy of one slot row of the state cache (every layer's online memory, conv
+tail, partial-segment key sum and collapsed sum: exactly what a running sequence continues
+from), or for private states (``loglinear``) a copy of the sequence's model state. For MC
+models with constant segments the cached segments before the position stay pool blocks, found
+through their own keys; the resume point adds the partial segment.
+
+Keys are ``prefix_keys.resume_key``: the hash of the tokens before the position, salted by
+model and MC configuration. Three tiers, each bounded in bytes, least recently used first out:
+
+* **device**: tensors on the model's device (host memory on a CPU-only machine);
+* **host** (GPU only): pinned host copies, where device points spill first;
+* **disk** (``state_cache_dir``): one self-describing safetensors file per point (format,
+  salt fingerprint, key, position, a checksum of the tensors), indexed at start-up, loaded on a
+  hit; a file that fails any check is skipped with one warning, never loaded.
+
+A point handed to the scheduler is *pinned* until the runner has copied it into the slot;
+pinned points are never evicted.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import math
+import os
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mcserve.engine.prefix_keys import ResumeHasher, salt_digest
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mcserve-resume-1"
+_SUFFIX = ".safetensors"
+_MISS_MEMORY = 4096  # keys of recently dropped points, to say why a prompt missed
+
+
+@dataclass(eq=False)
+class ResumePoint:
+    key: bytes
+    pos: int  # tokens whose effect is in the state
+    segment_fill: int  # tokens of the online segment at ``pos``
+    nbytes: int
+    rows: list[dict[str, Tensor]] | None = None  # slot layout, one dict per layer
+    private: Any = None  # a ModelState (private states: loglinear)
+    tier: str = "device"  # "device" | "host" | "disk"
+    pins: int = 0
+
+
+def _checksum(tensors: dict[str, Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _flat(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    return {f"{li}.{name}": t for li, layer in enumerate(rows) for name, t in layer.items()}
+
+
+class ResumeStore:
+    """The resume points of one engine (not thread-safe: the engine thread owns it).
+
+    ``layout[l]`` maps each slot tensor name of layer l to the (shape, dtype) of one row: what
+    a point holds and what a disk file must match. ``budget_bytes`` bounds the device tier,
+    ``host_bytes`` the host tier (0: none), ``disk_bytes`` the disk tier in ``disk_dir``."""
+
+    def __init__(self, salt: bytes, layout: list[dict[str, tuple[tuple[int, ...], torch.dtype]]],
+                 *, device: torch.device, budget_bytes: int, host_bytes: int = 0,
+                 disk_dir: str | os.PathLike | None = None, disk_bytes: int = 0):
+        self.salt = salt
+        self.digest = salt_digest(salt).hex()
+        self.layout = layout
+        self.device = torch.device(device)
+        self.budget_bytes = int(budget_bytes)
+        self.host_budget = int(host_bytes) if self.device.type != "cpu" else 0
+        self.disk_dir = Path(disk_dir) if disk_dir else None
+        self.disk_budget = int(disk_bytes)
+        self.points: OrderedDict[bytes, ResumePoint] = OrderedDict()  # memory tiers, LRU first
+        self.disk: OrderedDict[bytes, ResumePoint] = OrderedDict()  # disk tier, LRU first
+        self.positions: Counter[int] = Counter()  # pos -> points there (every tier)
+        self.used = {"device": 0, "host": 0, "disk": 0}
+        self.dropped: OrderedDict[bytes, None] = OrderedDict()  # recently dropped keys
+        self.num_taken = 0
+        self.num_hits = 0
+        self.num_evicted = 0  # dropped from the last tier
+        self.num_spilled_host = 0
+        self.num_spilled_disk = 0
+        self.num_loaded_disk = 0
+        self.num_bad_files = 0
+        self.row_bytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                             for layer in layout for shape, dt in layer.values())
+        if self.disk_dir is not None:
+            self._index_disk()
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self.points) + len(self.disk)
+
+    def has(self, key: bytes) -> bool:
+        return key in self.points or key in self.disk
+
+    def touch(self, key: bytes) -> None:
+        if key in self.points:
+            self.points.move_to_end(key)
+        elif key in self.disk:
+            self.disk.move_to_end(key)
+
+    def capacity(self) -> int:
+        """How many points of this model's state the device tier holds."""
+        return self.budget_bytes // max(1, self.row_bytes)
+
+    def lookup(self, token_ids: list[int], salt: bytes, lo: int, hi: int
+               ) -> tuple[ResumePoint | None, str]:
+        """The deepest resume point at a position in ``[lo, hi]`` whose key matches
+        ``token_ids`` under ``salt``, pinned for the caller (``unpin`` once copied), with the
+        reason of a miss (``"no match"``, ``"evicted"``, ``"different salt"``). A point on
+        disk is loaded (and moves to the device tier); one that fails to load is dropped with
+        a warning and the next deepest is tried."""
+        cands = [p for p in self.positions if lo <= p <= hi]
+        if not cands:
+            return None, "no match"
+        keys = ResumeHasher(salt).keys(token_ids, cands)
+        for p in sorted(cands, reverse=True):
+            k = keys[p]
+            rp = self.points.get(k)
+            if rp is None and k in self.disk:
+                rp = self._load(self.disk[k])
+            if rp is None:
+                continue
+            self.points.move_to_end(k)
+            rp.pins += 1
+            self.num_hits += 1
+            return rp, ""
+        if any(keys[p] in self.dropped for p in cands):
+            return None, "evicted"
+        if salt != self.salt:
+            base = ResumeHasher(self.salt).keys(token_ids, cands)
+            if any(self.has(k) for k in base.values()):
+                return None, "different salt"
+        return None, "no match"
+
+    def unpin(self, rp: ResumePoint) -> None:
+        rp.pins -= 1
+        self._fit()
+
+    # ------------------------------------------------------------------ taking points
+    def put_rows(self, key: bytes, pos: int, segment_fill: int,
+                 rows: list[dict[str, Tensor]]) -> None:
+        """Keep ``rows`` (the caller's copies of a slot row, every layer) as the resume point
+        ``key`` at ``pos``."""
+        nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
+        self._add(ResumePoint(key, pos, segment_fill, nbytes, rows=rows))
+
+    def put_private(self, key: bytes, pos: int, segment_fill: int, state: Any) -> None:
+        """Keep a copy of a private model state (``loglinear``) as the resume point ``key``."""
+        state = copy.deepcopy(state)
+        nbytes = 0
+        for ls in state.layers:
+            ts = list(ls.mc.mem.values()) + list(ls.mc.cached.values()) + [ls.mc.seg_ksum,
+                                                                          ls.mc.cached_ksum]
+            if ls.conv is not None:
+                ts.append(ls.conv)
+            nbytes += sum(t.numel() * t.element_size() for t in ts)
+        self._add(ResumePoint(key, pos, segment_fill, nbytes, private=state))
+
+    def _add(self, rp: ResumePoint) -> None:
+        if self.has(rp.key):
+            self.touch(rp.key)
+            return
+        if rp.nbytes > self.budget_bytes:
+            return
+        self.dropped.pop(rp.key, None)
+        self.points[rp.key] = rp
+        self.positions[rp.pos] += 1
+        self.used["device"] += rp.nbytes
+        self.num_taken += 1
+        self._fit()
+
+    # ------------------------------------------------------------------ tiers
+    def _fit(self) -> None:
+        """Spill or drop least recently used unpinned points until every tier fits."""
+        while self.used["device"] > self.budget_bytes:
+            victim = next((rp for rp in self.points.values()
+                           if rp.tier == "device" and not rp.pins), None)
+            if victim is None:
+                break
+            self._spill(victim)
+        while self.used["host"] > self.host_budget:
+            victim = next((rp for rp in self.points.values()
+                           if rp.tier == "host" and not rp.pins), None)
+            if victim is None:
+                break
+            self._spill(victim)
+
+    def _spill(self, rp: ResumePoint) -> None:
+        """Move ``rp`` one tier down: device -> host -> disk -> dropped."""
+        if rp.tier == "device" and rp.rows is not None and self.host_budget >= rp.nbytes:
+            pin = torch.cuda.is_available()
+            rp.rows = [{n: t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True)
+                        for n, t in layer.items()} for layer in rp.rows]
+            self.used["device"] -= rp.nbytes
+            self.used["host"] += rp.nbytes
+            rp.tier = "host"
+            self.num_spilled_host += 1
+            return
+        del self.points[rp.key]
+        self.used[rp.tier] -= rp.nbytes
+        if rp.rows is not None and self.disk_dir is not None and self._write(rp):
+            return
+        self._forget(rp)
+
+    def _forget(self, rp: ResumePoint) -> None:
+        self.positions[rp.pos] -= 1
+        if not self.positions[rp.pos]:
+            del self.positions[rp.pos]
+        self.num_evicted += 1
+        self.dropped[rp.key] = None
+        while len(self.dropped) > _MISS_MEMORY:
+            self.dropped.popitem(last=False)
+
+    # ------------------------------------------------------------------ disk tier
+    def _path(self, key: bytes) -> Path:
+        assert self.disk_dir is not None
+        return self.disk_dir / f"{key.hex()}{_SUFFIX}"
+
+    def _write(self, rp: ResumePoint) -> bool:
+        """``rp`` as a file of the disk tier (its rows dropped from memory); False when it
+        does not fit or the write failed (warned)."""
+        from safetensors.torch import save_file
+
+        if rp.nbytes > self.disk_budget:
+            return False
+        while self.used["disk"] + rp.nbytes > self.disk_budget and self.disk:
+            _, old = self.disk.popitem(last=False)
+            self._unlink(old)
+            self.used["disk"] -= old.nbytes
+            self._forget(old)
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in _flat(rp.rows).items()}
+        meta = {"format": FORMAT, "salt": self.digest, "key": rp.key.hex(), "pos": str(rp.pos),
+                "segment_fill": str(rp.segment_fill), "checksum": _checksum(tensors)}
+        path = self._path(rp.key)
+        tmp = path.with_suffix(".tmp")
+        try:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("state cache: could not write a resume point to %s: %s", path, e)
+            tmp.unlink(missing_ok=True)
+            return False
+        rp.rows, rp.tier = None, "disk"
+        rp.nbytes = path.stat().st_size
+        self.disk[rp.key] = rp
+        self.used["disk"] += rp.nbytes
+        self.num_spilled_disk += 1
+        return True
+
+    def _unlink(self, rp: ResumePoint) -> None:
+        try:
+            self._path(rp.key).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("state cache: could not remove %s: %s", self._path(rp.key), e)
+
+    def _check_meta(self, meta: dict[str, str] | None, path: Path) -> str | None:
+        """Why the header of ``path`` does not belong to this cache (None: it does)."""
+        if not meta or meta.get("format") != FORMAT:
+            return "not a resume point file"
+        if meta.get("salt") != self.digest:
+            return "another model or MC configuration"
+        if meta.get("key") != path.name[:-len(_SUFFIX)]:
+            return "its name does not match its key"
+        if not (meta.get("pos", "").isdigit() and meta.get("segment_fill", "").isdigit()):
+            return "a malformed header"
+        return None
+
+    def _index_disk(self) -> None:
+        """Index the files of ``disk_dir`` (headers only; tensors are read on a hit), oldest
+        first; skip, with one warning line, the files that are not this cache's."""
+        from safetensors import safe_open
+
+        assert self.disk_dir is not None
+        if not self.disk_dir.is_dir():
+            return
+        skipped: Counter[str] = Counter()
+        files = sorted(self.disk_dir.glob(f"*{_SUFFIX}"), key=lambda f: f.stat().st_mtime)
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    meta = fh.metadata()
+            except Exception:  # noqa: BLE001 - a corrupt header is skipped, never fatal
+                skipped["unreadable"] += 1
+                continue
+            why = self._check_meta(meta, f)
+            if why is not None:
+                skipped[why] += 1
+                continue
+            key = bytes.fromhex(meta["key"])
+            size = f.stat().st_size
+            if self.used["disk"] + size > self.disk_budget:
+                skipped["over the disk budget"] += 1
+                continue
+            rp = ResumePoint(key, int(meta["pos"]), int(meta["segment_fill"]), size,
+                             tier="disk")
+            self.disk[key] = rp
+            self.positions[rp.pos] += 1
+            self.used["disk"] += size
+        if skipped:
+            self.num_bad_files += sum(skipped.values())
+            log.warning("state cache: skipped %d file(s) in %s (%s)", sum(skipped.values()),
+                        self.disk_dir, ", ".join(f"{n}: {why}" for why, n in skipped.items()))
+
+    def _load(self, rp: ResumePoint) -> ResumePoint | None:
+        """Read a disk point into the device tier; None (dropped, warned) when its file fails
+        any check: unreadable or truncated, another configuration, shapes, checksum."""
+        from safetensors import safe_open
+
+        path = self._path(rp.key)
+        del self.disk[rp.key]
+        self.used["disk"] -= rp.nbytes
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = fh.metadata()
+                why = self._check_meta(meta, path)
+                tensors = {n: fh.get_tensor(n) for n in fh.keys()} if why is None else {}
+            if why is None:
+                why = self._check_tensors(tensors, meta)
+        except Exception as e:  # noqa: BLE001 - a corrupt file is skipped, never fatal
+            why = f"unreadable ({type(e).__name__})"
+        if why is not None:
+            log.warning("state cache: skipped resume point file %s: %s", path, why)
+            self.num_bad_files += 1
+            self._unlink(rp)
+            self._forget(rp)
+            return None
+        self._unlink(rp)
+        rows = [{name: tensors[f"{li}.{name}"].to(self.device) for name in layer}
+                for li, layer in enumerate(self.layout)]
+        rp.rows, rp.tier = rows, "device"
+        rp.nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
+        self.points[rp.key] = rp
+        self.used["device"] += rp.nbytes
+        self.num_loaded_disk += 1
+        return rp
+
+    def _check_tensors(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> str | None:
+        want = {f"{li}.{name}": sd for li, layer in enumerate(self.layout)
+                for name, sd in layer.items()}
+        if set(tensors) != set(want):
+            return "its entries differ from this model's state"
+        for name, (shape, dtype) in want.items():
+            t = tensors[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                return f"entry {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+        if _checksum(tensors) != meta.get("checksum"):
+            return "checksum mismatch"
+        return None
+
+    def flush(self) -> int:
+        """Write every point held in memory to the disk tier (at shutdown, so a restarted
+        engine finds them); returns the points written. No-op without a disk tier."""
+        if self.disk_dir is None:
+            return 0
+        n = 0
+        for rp in list(self.points.values()):
+            if rp.rows is None or rp.pins:
+                continue
+            del self.points[rp.key]
+            self.used[rp.tier] -= rp.nbytes
+            if self._write(rp):
+                n += 1
+            else:
+                self._forget(rp)
+        return n
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "resume_points": len(self.points),
+            "resume_points_disk": len(self.disk),
+            "resume_bytes_device": self.used["device"],
+            "resume_bytes_host": self.used["host"],
+            "resume_bytes_disk": self.used["disk"],
+            "resume_points_taken": self.num_taken,
+            "resume_points_hit": self.num_hits,
+            "resume_points_evicted": self.num_evicted,
+            "resume_points_spilled_host": self.num_spilled_host,
+            "resume_points_spilled_disk": self.num_spilled_disk,
+            "resume_points_loaded_disk": self.num_loaded_disk,
+            "resume_files_skipped": self.num_bad_files,
+        }
+
