@@ -229,10 +229,11 @@ def test_resume_keys():
 
 
 # ------------------------------------------------------------------ disk tier
-def test_disk_tier_survives_a_restart(tmp_path):
-    """A model served as trained (its whole state is the resume point; an MC model's segment
-    blocks stay in memory only, so its points on disk serve the same run)."""
-    model = MODELS["mamba2-none"]()
+@pytest.mark.parametrize("name", ["mamba2-none", "mamba2-grm", "linear-ssc"])
+def test_disk_tier_survives_a_restart(tmp_path, name):
+    """A model served as trained (its whole state is the resume point) and MC models (the
+    file carries the segment blocks before the point, imported into the pool on a hit)."""
+    model = MODELS[name]()
     d = tmp_path / "cache"
     p1 = rand_ids(13, 80)
     eng = engine(model, state_cache_dir=str(d))

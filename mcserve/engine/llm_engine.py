@@ -138,7 +138,8 @@ class LLMEngine:
         return ResumeStore(
             salt, layout, device=self.model.device, budget_bytes=max(total - pool, total // 4),
             host_bytes=config.host_state_cache_mib * 2**20, disk_dir=config.state_cache_dir,
-            disk_bytes=int(config.state_cache_disk_gib * 2**30))
+            disk_bytes=int(config.state_cache_disk_gib * 2**30),
+            export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False))
 
     def _checkpoint_interval(self, config: EngineConfig) -> int:
         """``checkpoint_interval``, or when None: 256 prompt tokens if the budget holds 32

@@ -28,7 +28,8 @@ import logging
 import math
 import os
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from mcserve.engine.prefix_keys import ResumeHasher, salt_digest
+from mcserve.engine.state_cache import PrefixExport
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class ResumePoint:
     private: Any = None  # a ModelState (private states: loglinear)
     tier: str = "device"  # "device" | "host" | "disk"
     pins: int = 0
+    # MC models with segment blocks: the keys of the blocks before ``pos`` (what the point
+    # needs in the pool), and, read back from disk, their contents until imported
+    block_hashes: list[bytes] = field(default_factory=list)
+    blocks: PrefixExport | None = None
 
 
 def _checksum(tensors: dict[str, Tensor]) -> str:
@@ -77,7 +83,8 @@ class ResumeStore:
 
     def __init__(self, salt: bytes, layout: list[dict[str, tuple[tuple[int, ...], torch.dtype]]],
                  *, device: torch.device, budget_bytes: int, host_bytes: int = 0,
-                 disk_dir: str | os.PathLike | None = None, disk_bytes: int = 0):
+                 disk_dir: str | os.PathLike | None = None, disk_bytes: int = 0,
+                 export_blocks: Callable[[list[bytes]], PrefixExport] | None = None):
         self.salt = salt
         self.digest = salt_digest(salt).hex()
         self.layout = layout
@@ -86,6 +93,7 @@ class ResumeStore:
         self.host_budget = int(host_bytes) if self.device.type != "cpu" else 0
         self.disk_dir = Path(disk_dir) if disk_dir else None
         self.disk_budget = int(disk_bytes)
+        self.export_blocks = export_blocks  # copies of pool blocks by key (for disk files)
         self.points: OrderedDict[bytes, ResumePoint] = OrderedDict()  # memory tiers, LRU first
         self.disk: OrderedDict[bytes, ResumePoint] = OrderedDict()  # disk tier, LRU first
         self.positions: Counter[int] = Counter()  # pos -> points there (every tier)
@@ -120,13 +128,14 @@ class ResumeStore:
         """How many points of this model's state the device tier holds."""
         return self.budget_bytes // max(1, self.row_bytes)
 
-    def lookup(self, token_ids: list[int], salt: bytes, lo: int, hi: int
+    def lookup(self, token_ids: list[int], salt: bytes, lo: int, hi: int,
+               accept: Callable[[ResumePoint], bool] | None = None
                ) -> tuple[ResumePoint | None, str]:
         """The deepest resume point at a position in ``[lo, hi]`` whose key matches
-        ``token_ids`` under ``salt``, pinned for the caller (``unpin`` once copied), with the
-        reason of a miss (``"no match"``, ``"evicted"``, ``"different salt"``). A point on
-        disk is loaded (and moves to the device tier); one that fails to load is dropped with
-        a warning and the next deepest is tried."""
+        ``token_ids`` under ``salt`` (and that ``accept`` takes), pinned for the caller
+        (``unpin`` once copied), with the reason of a miss (``"no match"``, ``"evicted"``,
+        ``"different salt"``). A point on disk is loaded (and moves to the device tier); one
+        that fails to load is dropped with a warning and the next deepest is tried."""
         cands = [p for p in self.positions if lo <= p <= hi]
         if not cands:
             return None, "no match"
@@ -136,7 +145,7 @@ class ResumeStore:
             rp = self.points.get(k)
             if rp is None and k in self.disk:
                 rp = self._load(self.disk[k])
-            if rp is None:
+            if rp is None or (accept is not None and not accept(rp)):
                 continue
             self.points.move_to_end(k)
             rp.pins += 1
@@ -156,11 +165,13 @@ class ResumeStore:
 
     # ------------------------------------------------------------------ taking points
     def put_rows(self, key: bytes, pos: int, segment_fill: int,
-                 rows: list[dict[str, Tensor]]) -> None:
+                 rows: list[dict[str, Tensor]], block_hashes: list[bytes] | None = None
+                 ) -> None:
         """Keep ``rows`` (the caller's copies of a slot row, every layer) as the resume point
-        ``key`` at ``pos``."""
+        ``key`` at ``pos``, after the pool blocks ``block_hashes`` (MC segment blocks)."""
         nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
-        self._add(ResumePoint(key, pos, segment_fill, nbytes, rows=rows))
+        self._add(ResumePoint(key, pos, segment_fill, nbytes, rows=rows,
+                              block_hashes=list(block_hashes or ())))
 
     def put_private(self, key: bytes, pos: int, segment_fill: int, state: Any) -> None:
         """Keep a copy of a private model state (``loglinear``) as the resume point ``key``."""
@@ -247,8 +258,20 @@ class ResumeStore:
             self.used["disk"] -= old.nbytes
             self._forget(old)
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in _flat(rp.rows).items()}
+        if rp.block_hashes:  # the segment blocks before it go into the file too
+            if rp.blocks is not None:  # read back from disk and not used since
+                export = rp.blocks
+            elif self.export_blocks is not None:
+                export = self.export_blocks(rp.block_hashes)
+            else:
+                return False
+            if export.num_blocks < len(rp.block_hashes):  # some were evicted: of no use
+                return False
+            tensors.update({f"b.{n}": t.contiguous() for n, t in _flat(export.layers).items()})
         meta = {"format": FORMAT, "salt": self.digest, "key": rp.key.hex(), "pos": str(rp.pos),
-                "segment_fill": str(rp.segment_fill), "checksum": _checksum(tensors)}
+                "segment_fill": str(rp.segment_fill),
+                "blocks": ",".join(h.hex() for h in rp.block_hashes),
+                "checksum": _checksum(tensors)}
         path = self._path(rp.key)
         tmp = path.with_suffix(".tmp")
         try:
@@ -347,6 +370,17 @@ class ResumeStore:
         rows = [{name: tensors[f"{li}.{name}"].to(self.device) for name in layer}
                 for li, layer in enumerate(self.layout)]
         rp.rows, rp.tier = rows, "device"
+        hashes = [bytes.fromhex(h) for h in meta.get("blocks", "").split(",") if h]
+        rp.block_hashes = hashes
+        if hashes:
+            n_layers = len(self.layout)
+            layers: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+            for name, t in tensors.items():
+                if name.startswith("b."):
+                    li, _, entry = name[2:].partition(".")
+                    layers[int(li)][entry] = t
+            rp.blocks = PrefixExport(hashes=hashes, salt_digest=salt_digest(self.salt),
+                                     layers=layers)
         rp.nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
         self.points[rp.key] = rp
         self.used["device"] += rp.nbytes
@@ -356,8 +390,12 @@ class ResumeStore:
     def _check_tensors(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> str | None:
         want = {f"{li}.{name}": sd for li, layer in enumerate(self.layout)
                 for name, sd in layer.items()}
-        if set(tensors) != set(want):
+        n_blocks = len([h for h in meta.get("blocks", "").split(",") if h])
+        blocks = {n for n in tensors if n.startswith("b.")}
+        if set(tensors) - blocks != set(want) or bool(blocks) != bool(n_blocks):
             return "its entries differ from this model's state"
+        if any(tensors[n].shape[0] != n_blocks for n in blocks):
+            return "its blocks do not match its header"
         for name, (shape, dtype) in want.items():
             t = tensors[name]
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:

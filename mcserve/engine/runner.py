@@ -115,7 +115,8 @@ class ModelRunner:
         elif seq.slot is not None:
             rows = [{name: t[seq.slot].clone() for name, t in sl.items()}
                     for sl in self.cache.slot]
-            self.resume.put_rows(key, pos, seq.segment_fill, rows)
+            self.resume.put_rows(key, pos, seq.segment_fill, rows,
+                                 seq.block_hashes if self.caches_blocks else None)
 
     def load_state(self, seq: Sequence) -> ModelState:
         """A batch-of-one model state for ``seq`` from its slot and block table."""

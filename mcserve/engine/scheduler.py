@@ -178,23 +178,44 @@ class Scheduler:
         ids, C = seq.all_ids, self.mc.segment_len
         return chain_hashes(ids, C, seq.salt, (len(ids) - 1) // C)
 
-    def _resume_lookup(self, seq: Sequence, n_hits: int) -> ResumePoint | None:
-        """The deepest resume point of ``seq``'s tokens past its ``n_hits`` cached blocks
-        (pinned), or None. With segment blocks, a point must lie in the segment after the
-        last cached block (the blocks before it are what MC reads); at least one token is left
-        to compute (its logits are needed); prompt logprobs need every position computed."""
+    def _resume_lookup(self, seq: Sequence, hashes: list[bytes]) -> ResumePoint | None:
+        """The deepest resume point of ``seq``'s tokens past its cached blocks (pinned), or
+        None; ``seq.block_table`` holds the blocks it found for ``hashes``. With segment
+        blocks, a point needs the blocks before it in the pool (what MC reads): those cached
+        already, or those a point read back from disk brings along (imported here). At least
+        one token is left to compute (its logits are needed); prompt logprobs need every
+        position computed."""
         if self.resume is None or seq.params.prompt_logprobs is not None:
             return None
-        hi = seq.num_tokens - 1
-        lo = seq.num_computed_tokens + 1
-        if self.caches_blocks:
-            hi = min(hi, (n_hits + 1) * self.mc.segment_len - 1)
+        lo, hi = seq.num_computed_tokens + 1, seq.num_tokens - 1
         if hi < lo:
             return None
-        rp, why = self.resume.lookup(seq.all_ids, seq.salt, lo, hi)
-        if rp is None and log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: no resume point past token %d (%s)", seq.request_id,
-                      lo - 1, why)
+        n_hits, C = len(seq.block_table), self.mc.segment_len
+
+        def accept(rp: ResumePoint) -> bool:
+            return (not self.caches_blocks or rp.pos // C <= n_hits
+                    or (rp.blocks is not None and rp.blocks.num_blocks >= rp.pos // C))
+
+        rp, why = self.resume.lookup(seq.all_ids, seq.salt, lo, hi, accept)
+        if rp is None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: no resume point past token %d (%s)", seq.request_id,
+                          lo - 1, why)
+            return None
+        need = rp.pos // C if self.caches_blocks else 0
+        if need > n_hits:  # a point from disk: its blocks join the pool first
+            try:
+                self.cache.import_blocks(rp.blocks)
+            except ValueError as e:
+                log.warning("state cache: the blocks of a resume point do not fit: %s", e)
+            more = self.cache.lookup(hashes[n_hits:need])
+            if len(more) < need - n_hits:
+                self.cache.free(more)
+                self.resume.unpin(rp)
+                return None
+            seq.block_table = seq.block_table + more
+            seq.block_hashes = hashes[:need]
+        rp.blocks = None  # in the pool now (or never needed)
         return rp
 
     def _being_computed(self, seq: Sequence, hashes: list[bytes]) -> bool:
@@ -300,7 +321,7 @@ class Scheduler:
             seq.block_hashes = hashes[:len(hits)]
             seq.num_computed_tokens = len(hits) * self.mc.segment_len
             seq.segment_fill = 0
-            rp = self._resume_lookup(seq, len(hits))
+            rp = self._resume_lookup(seq, hashes)
             if rp is not None:
                 seq.num_computed_tokens, seq.segment_fill = rp.pos, rp.segment_fill
             seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_ids))
@@ -323,7 +344,7 @@ class Scheduler:
                 self.prompt_tokens_admitted += len(seq.prompt_ids)
                 self.prompt_tokens_cached += seq.num_cached_tokens
             budget -= n
-            resume = hits[-1] if hits else -1
+            resume = seq.block_table[-1] if seq.block_table else -1
             out.prefills.append(self._item(seq, n, blocks, resume_block=resume,
                                            resume_point=rp))
         return out

@@ -369,7 +369,7 @@ class StateCache:
             n += 1
         return n
 
-    def export_blocks(self, hashes: list[bytes]) -> PrefixExport:
+    def export_blocks(self, hashes: list[bytes], count: bool = True) -> PrefixExport:
         """Copies of the blocks of the longest cached run of ``hashes``, every layer's entries
         (key sums included), on the CPU: what another cache needs to resume from that prefix
         (the last block holds the state at the last boundary). The blocks stay cached and
@@ -386,8 +386,9 @@ class StateCache:
                            for name, t in layer.items()})
         export = PrefixExport(hashes=list(hashes[:n]), salt_digest=salt_digest(self.salt),
                               layers=layers)
-        self.num_exported += n
-        self.bytes_exported += export.nbytes
+        if count:  # a transfer to another engine (not the disk tier's own copies)
+            self.num_exported += n
+            self.bytes_exported += export.nbytes
         return export
 
     def import_blocks(self, export: PrefixExport) -> int:

@@ -103,6 +103,9 @@ def build_app(
         shutdown_grace_s=shutdown_grace_s,
         mc_variant=getattr(mc, "variant", None),
         mc_selects=getattr(mc, "selects", None),
+        # the engine keeps resume points (a remote view of Ray replicas says so itself)
+        resume_points=bool(getattr(llm, "resume", None) is not None
+                           or getattr(llm, "keeps_resume_points", False)),
     )
     st.encoder  # noqa: B018 - builds the tokenizer's length bound now, not on a request
     metrics.registry.register(EngineStatsCollector(aengine))

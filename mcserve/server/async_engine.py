@@ -244,10 +244,12 @@ class AsyncEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         mc_overrides: dict[str, Any] | None = None,
+        resume_positions: list[int] | None = None,
     ) -> RequestStream:
         """Queue one request; returns its stream (``await stream.wait_accepted()`` next)."""
         return self.submit_many(
-            [(request_id, prompt, prompt_token_ids)], params, mc_overrides=mc_overrides
+            [(request_id, prompt, prompt_token_ids)], params, mc_overrides=mc_overrides,
+            resume_positions=resume_positions,
         )[0]
 
     def submit_many(
@@ -256,8 +258,10 @@ class AsyncEngine:
         params: Any,
         *,
         mc_overrides: dict[str, Any] | None = None,
+        resume_positions: list[int] | None = None,
     ) -> list[RequestStream]:
         """Queue several requests (id, prompt, prompt_token_ids) sharing params, all or none.
+        ``resume_positions``: prompt positions to keep resume points at (chat message ends).
 
         Raises ``QueueFullError`` when they would take the waiting queue over its limit,
         ``EngineShutdownError`` / ``EngineDeadError`` when no requests are taken.
@@ -287,6 +291,8 @@ class AsyncEngine:
                     args["prompt_token_ids"] = ids
                 if mc_overrides:
                     args["mc_overrides"] = mc_overrides
+                if resume_positions:
+                    args["resume_positions"] = resume_positions
                 self._commands.append(_Cmd("add", request_id, args))
                 streams.append(stream)
             self._cond.notify()
@@ -396,6 +402,7 @@ class AsyncEngine:
                 if stopping:
                     self._deliver(deliveries)
                     self._snapshot_stats()
+                    self._close_engine()
                     break
                 if self.engine.has_unfinished_requests():
                     self._step(deliveries)  # snapshots the stats itself
@@ -407,6 +414,16 @@ class AsyncEngine:
                 logger.exception("the engine thread failed")
                 self._die(e)
                 return
+
+    def _close_engine(self) -> None:
+        """The engine's own shutdown work (resume points written to the disk tier)."""
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            logger.exception("closing the engine failed")
 
     def _apply(self, cmds: list[_Cmd]) -> list[tuple[RequestStream, Any]]:
         out: list[tuple[RequestStream, Any]] = []
@@ -427,6 +444,8 @@ class AsyncEngine:
                 kwargs["prompt_token_ids"] = a["prompt_token_ids"]
             if "mc_overrides" in a:
                 kwargs["mc_overrides"] = a["mc_overrides"]
+            if "resume_positions" in a:
+                kwargs["resume_positions"] = a["resume_positions"]
             try:
                 self.engine.add_request(cmd.request_id, a["prompt"], a["params"], **kwargs)
             except Exception as e:  # noqa: BLE001 - refused: tell the caller, keep going

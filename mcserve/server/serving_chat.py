@@ -74,6 +74,22 @@ async def chat_prompt(st: ServerState, msgs: list[P.ChatMessage],
     return await asyncio.to_thread(render)
 
 
+async def message_ends(st: ServerState, msgs: list[P.ChatMessage], ids: list[int]
+                       ) -> list[int] | None:
+    """Where messages end in the prompt's tokens (``chat_resume_positions``), for the engine
+    to keep resume points there: the next turn, and other conversations with the same system
+    prompt, compute only what follows. None when the engine keeps none (prefix caching off)
+    or the template is not the tokenizer's own kind (no ``apply_chat_template``)."""
+    if not st.resume_points or not hasattr(st.tokenizer, "apply_chat_template"):
+        return None
+    from mcserve.engine.tokenizer import chat_resume_positions
+
+    messages = _messages(msgs)
+    if len(msgs) <= _INLINE_MESSAGES and sum(_chars(m) for m in msgs) <= INLINE_CHARS:
+        return chat_resume_positions(st.tokenizer, messages, ids)
+    return await asyncio.to_thread(chat_resume_positions, st.tokenizer, messages, ids)
+
+
 def _chat_logprobs(st: ServerState, ids: list[int], dicts: list[dict[int, Logprob]] | None,
                    top_n: int) -> P.ChatLogprobs:
     entries = []
@@ -112,6 +128,7 @@ async def create_chat_completion(
     if not ids:
         raise APIError(400, "messages: the chat template rendered an empty prompt",
                        param="messages")
+    marks = await message_ends(st, body.messages, ids)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = st.max_model_len - len(ids)
@@ -120,7 +137,7 @@ async def create_chat_completion(
     mc = mc_overrides(st, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    streams = await st.submit([(rid, prompt, ids)], params, mc)
+    streams = await st.submit([(rid, prompt, ids)], params, mc, resume_positions=marks)
     model = st.served_model_name
 
     if body.stream:

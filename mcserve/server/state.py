@@ -37,6 +37,7 @@ class ServerState:
     # only variant where mc_top_k means something per request); None: the engine decides
     mc_variant: str | None = None
     mc_selects: bool | None = None
+    resume_points: bool = False  # the engine keeps resume points: send it chat message ends
     created: int = field(default_factory=lambda: int(time.time()))
     # HTTP requests whose response is not fully sent yet (GuardMiddleware counts them): a
     # shutdown waits for it to reach 0 before it lets the HTTP server close connections
@@ -81,11 +82,14 @@ class ServerState:
 
     async def submit(
         self, requests: list[tuple[str, str | None, list[int] | None]], params: SamplingParams,
-        mc_overrides: dict[str, Any] | None,
+        mc_overrides: dict[str, Any] | None, resume_positions: list[int] | None = None,
     ) -> list[RequestStream]:
-        """Queue the requests and wait until the engine took them all (or refused one)."""
+        """Queue the requests and wait until the engine took them all (or refused one).
+        ``resume_positions``: where the engine keeps resume points (chat message ends)."""
         try:
-            streams = self.aengine.submit_many(requests, params, mc_overrides=mc_overrides)
+            kw = {"resume_positions": resume_positions} if resume_positions else {}
+            streams = self.aengine.submit_many(requests, params, mc_overrides=mc_overrides,
+                                               **kw)
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_QUEUE_S)}) from None

@@ -213,6 +213,10 @@ class _ModelConfig:
     max_position_embeddings: int | None
 
 
+# tokens per routing key of a prompt when the model has no segment blocks (resume points only)
+ROUTING_GRANULE = 256
+
+
 class RemoteEngineView:
     """What ``build_app`` reads of a local engine, for engines that live in replicas."""
 
@@ -225,17 +229,25 @@ class RemoteEngineView:
         self.segment_len = int(info["segment_len"])
         self.salt: bytes = info["salt"]
         self.caches_prefixes = bool(info["caches_prefixes"])
+        # the replicas keep resume points: chat message ends are sent along, and prompts of
+        # models without segment blocks are routed by keys of ROUTING_GRANULE-token pieces
+        self.keeps_resume_points = bool(info.get("keeps_resume_points", False))
 
     def stats(self) -> dict[str, Any]:
         return {}
 
     def prefix_hashes(self, ids: list[int], mc_overrides: dict[str, Any] | None) -> list[bytes]:
-        """The keys ``LLMEngine.prefix_hashes`` gives (the routing key of a prompt)."""
-        if not self.caches_prefixes:
-            return []
+        """The keys ``LLMEngine.prefix_hashes`` gives (the routing key of a prompt); for a
+        model without segment blocks whose replicas keep resume points, keys of
+        ``ROUTING_GRANULE``-token pieces, so the turns of a conversation (and prompts that
+        share a system prompt) go where their resume points are."""
         k = (mc_overrides or {}).get("mc_top_k")
         salt = request_salt(self.salt, k if isinstance(k, int) and k > 0 else None)
-        return prompt_block_hashes(ids, self.segment_len, salt)
+        if self.caches_prefixes:
+            return prompt_block_hashes(ids, self.segment_len, salt)
+        if self.keeps_resume_points:
+            return prompt_block_hashes(ids, ROUTING_GRANULE, salt + b"|route")
+        return []
 
 
 class RemoteAsyncEngine(AsyncEngine):
@@ -258,6 +270,7 @@ class RemoteAsyncEngine(AsyncEngine):
 
     def submit_many(self, requests: list[tuple[str, str | None, list[int] | None]],
                     params: Any, *, mc_overrides: dict[str, Any] | None = None,
+                    resume_positions: list[int] | None = None,
                     ) -> list[RemoteRequestStream]:
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
@@ -273,7 +286,8 @@ class RemoteAsyncEngine(AsyncEngine):
                 ids = view.tokenizer.encode(prompt)
             req = {"request_id": request_id, "prompt": prompt, "prompt_token_ids": ids,
                    "params": params, "mc_overrides": mc_overrides or None,
-                   "hashes": view.prefix_hashes(ids, mc_overrides)}
+                   "hashes": view.prefix_hashes(ids, mc_overrides),
+                   "resume_positions": resume_positions or None}
             stream = RemoteRequestStream(
                 request_id, self, lambda req=req: gen.generate.remote(req), served,
                 after=streams[-1].started if streams else None)

@@ -206,6 +206,7 @@ class MCServeEngine:
             "mc_variant": llm.mc.variant, "mc_selects": bool(llm.mc.selects),
             "segment_len": int(llm.mc.segment_len), "salt": llm.cache.salt,
             "caches_prefixes": bool(llm.prefix_hashes(list(range(2 * llm.mc.segment_len + 1)))),
+            "keeps_resume_points": getattr(llm, "resume", None) is not None,
             "describe": llm.describe(),
         }
 
@@ -277,8 +278,8 @@ class MCServeEngine:
         route = req.get("route") or {}
         holder, want = route.get("holder"), int(route.get("holder_blocks") or 0)
         hashes = list(req.get("hashes") or [])[:want]
-        if not holder or holder == self.name or not hashes:
-            return None
+        if not holder or holder == self.name or not hashes or not self.llm.mc.caches_blocks:
+            return None  # (routing keys of a model without blocks name no blocks to fetch)
         key = (holder, hashes[-1])
         task = self._fetches.get(key)
         if task is not None:  # another request is fetching this prefix: its import will do
@@ -346,9 +347,11 @@ class MCServeEngine:
             self.migration.routed.labels(reason=str(route.get("reason"))).inc()
             migration = await self._migrate(req)
         try:
+            marks = req.get("resume_positions")
             stream = self.aengine.submit(rid, req.get("prompt"), req["params"],
                                          prompt_token_ids=ids,
-                                         mc_overrides=req.get("mc_overrides"))
+                                         mc_overrides=req.get("mc_overrides"),
+                                         **({"resume_positions": marks} if marks else {}))
         except Exception as e:  # noqa: BLE001 - queue full, shutting down, engine dead
             yield _error_item(e)
             return
