@@ -311,3 +311,37 @@ def test_bad_files_are_skipped_with_a_warning(tmp_path, caplog):
     assert got.num_cached_tokens == 0
     assert "another model or MC configuration" in text and "unreadable" in text
     assert text.count("WARNING") == 1  # one line for the start-up scan
+
+
+@pytest.mark.parametrize("name", ["mamba2-none", "linear-grm", "linear-ssc"])
+def test_export_import_carries_the_resume_point(name):
+    """``export_prefix(token_ids)`` takes the deepest resume point past the exported blocks
+    along; another engine that imports it resumes there, equal to a fresh engine."""
+    model = MODELS[name]()
+    a, b = engine(model), engine(model)
+    p1 = rand_ids(14, 120)
+    out = run(a, [p1])[0]
+    p2 = p1 + list(out.outputs[0].token_ids) + rand_ids(4, 121)
+    export = a.export_prefix(p2)
+    assert export.resume is not None and export.resume["pos"] == len(p1) + 5
+    assert a.stats()["resume_points_hit"] == 0  # a peek, not a request's hit
+    b.import_prefix(export)
+    got = run(b, [p2])
+    assert got[0].num_cached_tokens == len(p1) + 5
+    same(got, run(engine(model, enable_prefix_caching=False), [p2]))
+    other = engine(MODELS["linear-none" if name != "linear-none" else "linear-grm"]())
+    with pytest.raises(ValueError):
+        other.import_prefix(export)
+    assert a.cache.is_whole() and b.cache.is_whole() and other.cache.is_whole()
+
+
+def test_a_miss_says_why_at_debug_level(caplog):
+    eng = engine(MODELS["linear-none"]())
+    eng.resume.budget_bytes = eng.resume.row_bytes
+    p1, p2 = rand_ids(9, 130), rand_ids(9, 131)
+    e1 = p1 + list(run(eng, [p1])[0].outputs[0].token_ids)
+    run(eng, [p2])  # evicts p1's point
+    with caplog.at_level(logging.DEBUG, logger="mcserve.engine.scheduler"):
+        run(eng, [e1 + [1]])
+        run(eng, [rand_ids(5, 132)])
+    assert "(evicted)" in caplog.text and "(no match)" in caplog.text

@@ -549,7 +549,30 @@ class LLMEngine:
             if token_ids is None:
                 raise InvalidRequestError("export_prefix needs token_ids or hashes")
             hashes = self.prefix_hashes(token_ids, mc_overrides)
-        return self.cache.export_blocks(list(hashes))
+        export = self.cache.export_blocks(list(hashes))
+        if token_ids is not None and self.resume is not None and not self.runner.private:
+            export.resume = self._export_resume([int(t) for t in token_ids], export,
+                                                mc_overrides)
+        return export
+
+    def _export_resume(self, ids: list[int], export: PrefixExport,
+                       mc_overrides: dict | None) -> dict | None:
+        """The deepest resume point of ``ids`` past the blocks of ``export`` (and needing no
+        more of them), as CPU copies; None when there is none."""
+        C = self.mc.segment_len
+        n = export.num_blocks
+        salt = request_salt(self.cache.salt, self._check_overrides(mc_overrides or {}))
+        accept = (lambda rp: rp.pos // C <= n) if self.mc.caches_blocks else None
+        rp, _ = self.resume.lookup(ids, salt, n * C + 1 if self.mc.caches_blocks else 1,
+                                   len(ids) - 1, accept, count=False)
+        if rp is None:
+            return None
+        try:
+            return {"key": rp.key, "pos": rp.pos, "segment_fill": rp.segment_fill,
+                    "rows": [{name: t.to("cpu", copy=True) for name, t in layer.items()}
+                             for layer in rp.rows]}
+        finally:
+            self.resume.unpin(rp)
 
     def import_prefix(self, export: PrefixExport) -> int:
         """Register the blocks of ``export`` (another engine's ``export_prefix``) in this
@@ -557,5 +580,23 @@ class LLMEngine:
         later request with that prefix hits them and computes only the rest. Returns the
         blocks written (those already cached here, or beyond a full pool, are skipped).
 
-        Raises ``ValueError`` for an export of another model or configuration."""
-        return self.cache.import_blocks(export)
+        Raises ``ValueError`` for an export of another model or configuration. The export's
+        resume point, if any, joins this engine's resume points."""
+        n = self.cache.import_blocks(export)
+        rp = export.resume
+        if rp is not None and self.resume is not None:
+            C = self.mc.segment_len
+            layout = self.resume.layout
+            rows = rp["rows"]
+            if len(rows) != len(layout) or any(
+                    set(r) != set(want) or any(tuple(r[k].shape) != want[k][0]
+                                               or r[k].dtype != want[k][1] for k in want)
+                    for r, want in zip(rows, layout)):
+                raise ValueError("the prefix export's resume point does not match this "
+                                 "engine's state")
+            dev = self.model.device
+            self.resume.put_rows(
+                rp["key"], int(rp["pos"]), int(rp["segment_fill"]),
+                [{k: t.to(dev) for k, t in r.items()} for r in rows],
+                export.hashes[:int(rp["pos"]) // C] if self.mc.caches_blocks else None)
+        return n

@@ -129,7 +129,7 @@ class ResumeStore:
         return self.budget_bytes // max(1, self.row_bytes)
 
     def lookup(self, token_ids: list[int], salt: bytes, lo: int, hi: int,
-               accept: Callable[[ResumePoint], bool] | None = None
+               accept: Callable[[ResumePoint], bool] | None = None, count: bool = True
                ) -> tuple[ResumePoint | None, str]:
         """The deepest resume point at a position in ``[lo, hi]`` whose key matches
         ``token_ids`` under ``salt`` (and that ``accept`` takes), pinned for the caller
@@ -149,7 +149,7 @@ class ResumeStore:
                 continue
             self.points.move_to_end(k)
             rp.pins += 1
-            self.num_hits += 1
+            self.num_hits += count
             return rp, ""
         if any(keys[p] in self.dropped for p in cands):
             return None, "evicted"

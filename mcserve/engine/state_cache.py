@@ -458,13 +458,17 @@ class PrefixExport:
     ``hashes[i]`` is the prefix-cache key of segment i (``chain_hashes``); ``layers[l][name]``
     stacks that layer's block entry ``name`` of every segment, ``(num_blocks, ...)``, on the
     CPU. The last block holds the state at the last segment boundary, from which an engine
-    resumes. ``salt_digest`` names the model + MC configuration the blocks belong to. Plain
-    tensors and bytes: it pickles, so it can go through a queue, a file or Ray's object store.
+    resumes. ``salt_digest`` names the model + MC configuration the blocks belong to.
+    ``resume``: the deepest resume point of the prompt past those blocks, when the export was
+    made from token ids (``key``, ``pos``, ``segment_fill`` and ``rows``, one dict of slot
+    entries per layer). Plain tensors and bytes: it pickles, so it can go through a queue, a
+    file or Ray's object store.
     """
 
     hashes: list[bytes]
     salt_digest: bytes
     layers: list[dict[str, Tensor]] = field(default_factory=list)
+    resume: dict | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -472,4 +476,6 @@ class PrefixExport:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+        rows = self.resume["rows"] if self.resume else []
+        return sum(t.numel() * t.element_size()
+                   for layer in self.layers + rows for t in layer.values())
