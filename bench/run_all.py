@@ -7,6 +7,7 @@
 
 Scripts, in order: ``mc_layer.py`` (one MC layer vs the number of cached segments),
 ``offline.py`` (batched ``LLM.generate``), ``serving.py`` (HTTP server, when present),
+``multi_turn.py`` (multi-turn chat over HTTP, state reuse on and off),
 ``long_context.py`` (decode vs a KV-cache Transformer up to 32K), ``roofline.py`` (machine
 limits and the decode step against them), ``cpu_kernels.py`` (the C++ decode kernels). The
 recall experiments (``experiments/recall/``) train models for minutes to hours and are run on
@@ -48,7 +49,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
-SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "long_context", "roofline", "cpu_kernels"]
+SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context", "roofline",
+           "cpu_kernels"]
 # helpers, and the CUDA-only scripts (kernels.py, gpu.py)
 NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels", "gpu"}
 
