@@ -345,3 +345,36 @@ def test_a_miss_says_why_at_debug_level(caplog):
         run(eng, [e1 + [1]])
         run(eng, [rand_ids(5, 132)])
     assert "(evicted)" in caplog.text and "(no match)" in caplog.text
+
+
+def test_tiers_spill_device_host_disk_in_lru_order(tmp_path):
+    """The store alone: device points spill to the host tier, host points to the disk tier,
+    least recently used first, pinned points stay; a disk point comes back on a hit."""
+    from mcserve.engine.resume import ResumeStore
+
+    layout = [{"mem.S": ((2, 3), torch.float32)}]
+    row = 2 * 3 * 4
+    st = ResumeStore(b"s", layout, device=torch.device("cpu"), budget_bytes=2 * row,
+                     host_bytes=row, disk_dir=tmp_path, disk_bytes=10 * row)
+    ids = [list(range(i, i + 5)) for i in range(5)]
+
+    def put(i):
+        st.put_rows(resume_key(ids[i], 5, b"s"), 5, 0, [{"mem.S": torch.full((2, 3), i + .5)}])
+
+    put(0)
+    put(1)
+    rp, _ = st.lookup(ids[0], b"s", 1, 5)  # pinned: it may not move
+    put(2)
+    assert [p.tier for p in st.points.values()] == ["host", "device", "device"]  # 1 spilled
+    put(3)  # device over: 0 is pinned, so 2 goes to the host, which pushes 1 to disk
+    st.unpin(rp)
+    tiers = {float(p.rows[0]["mem.S"][0, 0]) if p.rows else None: p.tier
+             for p in st.points.values()}
+    assert st.used["device"] <= 2 * row and st.used["host"] <= row
+    assert st.num_spilled_host >= 2 and st.num_spilled_disk >= 1 and len(st.disk) >= 1
+    assert "host" in tiers.values()
+    got, _ = st.lookup(ids[1], b"s", 1, 5)  # from disk, checked, back in the device tier
+    assert got is not None and got.tier == "device"
+    assert torch.equal(got.rows[0]["mem.S"], torch.full((2, 3), 1.5))
+    assert st.num_loaded_disk == 1
+    st.unpin(got)

@@ -137,7 +137,9 @@ class LLMEngine:
                   for sl in self.cache.slot]
         return ResumeStore(
             salt, layout, device=self.model.device, budget_bytes=max(total - pool, total // 4),
-            host_bytes=config.host_state_cache_mib * 2**20, disk_dir=config.state_cache_dir,
+            host_bytes=(config.host_state_cache_mib * 2**20
+                        if self.model.device.type != "cpu" else 0),
+            disk_dir=config.state_cache_dir,
             disk_bytes=int(config.state_cache_disk_gib * 2**30),
             export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False))
 

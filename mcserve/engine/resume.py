@@ -79,7 +79,8 @@ class ResumeStore:
 
     ``layout[l]`` maps each slot tensor name of layer l to the (shape, dtype) of one row: what
     a point holds and what a disk file must match. ``budget_bytes`` bounds the device tier,
-    ``host_bytes`` the host tier (0: none), ``disk_bytes`` the disk tier in ``disk_dir``."""
+    ``host_bytes`` the host tier (0: none; the engine gives none to a CPU device, whose tier
+    is host memory already), ``disk_bytes`` the disk tier in ``disk_dir``."""
 
     def __init__(self, salt: bytes, layout: list[dict[str, tuple[tuple[int, ...], torch.dtype]]],
                  *, device: torch.device, budget_bytes: int, host_bytes: int = 0,
@@ -90,7 +91,7 @@ class ResumeStore:
         self.layout = layout
         self.device = torch.device(device)
         self.budget_bytes = int(budget_bytes)
-        self.host_budget = int(host_bytes) if self.device.type != "cpu" else 0
+        self.host_budget = int(host_bytes)
         self.disk_dir = Path(disk_dir) if disk_dir else None
         self.disk_budget = int(disk_bytes)
         self.export_blocks = export_blocks  # copies of pool blocks by key (for disk files)
@@ -201,18 +202,13 @@ class ResumeStore:
     # ------------------------------------------------------------------ tiers
     def _fit(self) -> None:
         """Spill or drop least recently used unpinned points until every tier fits."""
-        while self.used["device"] > self.budget_bytes:
-            victim = next((rp for rp in self.points.values()
-                           if rp.tier == "device" and not rp.pins), None)
-            if victim is None:
-                break
-            self._spill(victim)
-        while self.used["host"] > self.host_budget:
-            victim = next((rp for rp in self.points.values()
-                           if rp.tier == "host" and not rp.pins), None)
-            if victim is None:
-                break
-            self._spill(victim)
+        for tier, budget in (("device", self.budget_bytes), ("host", self.host_budget)):
+            while self.used[tier] > budget:
+                victim = next((rp for rp in self.points.values()
+                               if rp.tier == tier and not rp.pins), None)
+                if victim is None:
+                    break
+                self._spill(victim)
 
     def _spill(self, rp: ResumePoint) -> None:
         """Move ``rp`` one tier down: device -> host -> disk -> dropped."""
