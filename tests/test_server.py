@@ -1106,7 +1106,7 @@ def test_large_bodies_are_refused_by_their_shape(fake: tuple[FakeEngine, TestCli
         ("/v1/completions", {"prompt": [[7], [7] * 30_000]}, "prompt",
          "prompt[1] is 30000 tokens, longer than max_model_len=64"),
         ("/v1/completions", {"prompt": "x", "stop": ["s"] * 20_000}, "stop",
-         "stop: at most 16 stop strings"),
+         "stop: at most 4 stop strings"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 40_000}, "stop_token_ids",
          "stop_token_ids: 40000 ids, more than the vocabulary"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(9000)}},

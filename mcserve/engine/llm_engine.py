@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from mcserve.engine.prefix_keys import prompt_block_hashes, request_salt
 from mcserve.engine.resume import ResumeStore
 from mcserve.engine.runner import ModelRunner
 from mcserve.engine.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
+from mcserve.engine.sampling_params import StructuredOutputsParams
 from mcserve.engine.scheduler import Scheduler
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import PrefixExport, StateCache
+from mcserve.engine.structured import StructuredOutputs
 from mcserve.engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -108,6 +111,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._token_text: dict[int, str] = {}  # decoded_token of reported logprobs
+        # compiled constraints of structured outputs, built on the first constrained request
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
 
     def _pool_size(self, config: EngineConfig, mc: MCConfig) -> int:
         """``num_state_blocks``, or when None: every slot at ``max_model_len`` (one block per
@@ -183,6 +189,23 @@ class LLMEngine:
                    if self.resume is not None else ""))
 
     # ------------------------------------------------------------------ requests
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The compiled constraints of structured outputs (created on first use)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+            return self._structured
+
+    def compile_structured(self, spec: StructuredOutputsParams | dict) -> None:
+        """Compile a structured-outputs constraint into the cache now, so that the request that
+        carries it does not compile it on the engine thread. Thread-safe (the server calls it
+        from a worker thread); raises ``InvalidRequestError`` (``param="structured_outputs"``)
+        when it does not compile."""
+        if isinstance(spec, dict):
+            spec = SamplingParams(structured_outputs=spec).structured_outputs
+        self.structured.compile(spec)
+
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     *, prompt_token_ids: list[int] | None = None,
                     mc_overrides: dict | None = None,
@@ -229,6 +252,9 @@ class LLMEngine:
                 f"the request needs up to {min(total, L) // C} state blocks but the pools hold "
                 f"{room} (num_state_blocks, host_state_blocks for ssc)")
         marks = self._check_positions(resume_positions, len(ids))
+        # the constraint compiles (or fails: a 400) before anything is queued
+        template = (self.structured.compile(params.structured_outputs)
+                    if params.structured_outputs is not None else None)
         req = _Request(request_id, prompt, ids, params)
         arrival = next(self._arrival)
         # blocks computed under another top_k are never shared: the override salts the hashes
@@ -240,6 +266,8 @@ class LLMEngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if template is not None:
+                seq.matcher = template.deep_copy()
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
@@ -405,10 +433,14 @@ class LLMEngine:
         return [seqs[r] for r in keep], logits[keep]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple]:
+        # constrained rows: their allowed tokens, all of them in one call (none: no bitmask)
+        rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
+        masks = ((rows, self.structured.fill([seqs[r].matcher for r in rows]))
+                 if rows else None)
         out = self.sampler(
             logits.float(), [s.params for s in seqs],
             [s.generator or self._global_gen for s in seqs], [s.output_ids for s in seqs],
-            [s.prompt_ids for s in seqs])
+            [s.prompt_ids for s in seqs], token_bitmask=masks)
         return list(zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True))
 
     def _prompt_logprobs(self, seq: Sequence, p0: int, logits: torch.Tensor) -> None:
@@ -436,6 +468,9 @@ class LLMEngine:
     def _append(self, seq: Sequence, tok: int, logprob: float,
                 top: dict[int, Logprob] | None) -> None:
         p = seq.params
+        if seq.matcher is not None and not seq.matcher.consume_token(tok):
+            raise RuntimeError(f"structured outputs: the constraint refused token {tok}: "
+                               f"{seq.matcher.get_error()}")
         seq.output_ids.append(tok)
         seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
@@ -456,13 +491,16 @@ class LLMEngine:
                 idx, s = hit
                 text = text[:idx + len(s)] if p.include_stop_str_in_output else text[:idx]
                 reason, stop = "stop", s
+        done = reason is None and seq.matcher is not None and seq.matcher.is_stopped()
+        if done:
+            reason = "stop"  # the constraint is complete and allows nothing more
         if reason is None:
             if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
                 reason = "length"
             elif seq.num_tokens >= self.config.max_model_len:
                 reason = "length"
         if reason is not None:
-            if stop is None and reason == "length":
+            if stop is None and (reason == "length" or done):
                 seq.detok.flush()
                 text = seq.detok.text
             seq.text = text

@@ -9,7 +9,9 @@ the seeded rows, so that a seeded request draws the same tokens whatever else is
 
 Logprob convention (as vLLM): every reported logprob is taken from the *raw* model distribution,
 ``log_softmax`` of the unprocessed logits, whatever penalties, temperature or truncation chose the
-token. See docs/engine-sampling.md.
+token. Under a constraint (structured outputs) the raw logits are those after the allowed-token
+mask, as in vLLM, where the grammar bitmask is applied before the sampler: the logprobs of the
+masked distribution. See docs/engine-sampling.md.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
+    "apply_token_bitmask",
     "make_generator",
     "prompt_logprobs",
 ]
@@ -86,12 +89,18 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        token_bitmask: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (B, V).
 
         ``prompt_token_ids`` is optional: when given, the repetition penalty also covers the
         prompt's tokens (as vLLM's does); presence and frequency penalties only ever count the
         generated tokens.
+
+        ``token_bitmask``: ``(rows, bitmask)`` for the constrained rows of the batch: row
+        ``rows[j]`` may only take the tokens whose bit is set in ``bitmask[j]`` (int32
+        ``(len(rows), ceil(V / 32))``, llguidance's layout); see ``apply_token_bitmask``.
+        The logprobs of those rows are those of the masked distribution.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
@@ -105,6 +114,8 @@ class Sampler:
                              f"for a batch of {b}")
         device = logits.device
         logits = logits.float()
+        if token_bitmask is not None and len(token_bitmask[0]):
+            logits = apply_token_bitmask(logits, *token_bitmask)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         x = _apply_penalties(logits, params, output_token_ids, prompt_token_ids)
@@ -153,6 +164,34 @@ class Sampler:
     ) -> list[dict[int, Logprob] | None]:
         """See :func:`prompt_logprobs`."""
         return prompt_logprobs(logits, token_ids, n)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """``logits`` (B, V) with the tokens that ``bitmask`` does not allow set to -inf in
+    ``rows`` (a new tensor; the input is not modified). ``bitmask[j]`` holds the allowed tokens
+    of row ``rows[j]``: bit ``t % 32`` of int32 word ``t // 32`` (llguidance's layout); tokens
+    past the bitmask's ``32 * words`` are not allowed. Unpacked for all rows at once (shifts
+    over a (R, words, 32) tensor), no loop over rows or tokens."""
+    b, v = logits.shape
+    r = len(rows)
+    if bitmask.dim() != 2 or bitmask.shape[0] != r or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 ({r}, words), got {tuple(bitmask.shape)} "
+                         f"{bitmask.dtype}")
+    device = logits.device
+    bm = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((bm[:, :, None] >> shifts) & 1).view(r, -1).bool()
+    if allowed.shape[1] < v:
+        allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]), value=False)
+    allowed = allowed[:, :v]
+    if r == b and list(rows) == list(range(b)):
+        return logits.masked_fill(~allowed, -math.inf)
+    idx = torch.tensor(list(rows), dtype=torch.long, device=device)
+    out = logits.clone()
+    out[idx] = logits[idx].masked_fill(~allowed, -math.inf)
+    return out
 
 
 def _logprob_entries(

@@ -6,15 +6,26 @@ re-exports them. See docs/engine-sampling.md.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from mcserve.errors import InvalidRequestError
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["JSON_OPTIONS", "MAX_LOGPROBS", "MAX_STRUCTURED_CHARS", "SamplingParams",
+           "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20  # the most alternatives per token that ``logprobs`` / ``prompt_logprobs`` allow
 _GREEDY_EPS = 1e-5
+# the largest constraint (a schema's JSON text, a regex, a grammar, the choices together)
+MAX_STRUCTURED_CHARS = 256 * 1024
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# how JSON is generated under a constraint (llguidance's JSON options): no free whitespace
+# between tokens, ", " and ": " separators; a model may otherwise emit whitespace for as long
+# as it likes, which a weak model does
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}
 
 
 def _is_int(value: object) -> bool:
@@ -50,6 +61,83 @@ def _check_bool(name: str, value: object) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    * ``json``: a JSON schema (a dict, or its JSON text);
+    * ``regex``: a regular expression the whole output matches (Rust ``regex`` syntax);
+    * ``choice``: a list of strings, the output is one of them;
+    * ``grammar``: a context-free grammar, in llguidance's Lark syntax or llama.cpp's GBNF;
+    * ``json_object``: True: any JSON object.
+
+    Invalid values raise ``InvalidRequestError`` with ``param="structured_outputs"``. Whether
+    the constraint compiles (a schema feature the library lacks, a bad regex) is checked by
+    the engine when the request is added.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _invalid("structured_outputs", "must set exactly one of "
+                           f"{', '.join(_STRUCTURED_KINDS)}, got "
+                           f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as e:
+                    raise _invalid("structured_outputs", f"json is not valid JSON: {e}") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise _invalid("structured_outputs", "json must be a JSON schema (an object), "
+                               f"got {type(parsed).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _invalid("structured_outputs", f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise _invalid("structured_outputs",
+                               "choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise _invalid("structured_outputs", "json_object must be true when given")
+        if len(self.key[1]) > MAX_STRUCTURED_CHARS:
+            raise _invalid("structured_outputs", f"the {self.kind} constraint is longer than "
+                           f"{MAX_STRUCTURED_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: ``json``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, text)``: the constraint as a hashable key (compiled grammars are cached by
+        it); a schema's text is its JSON with sorted keys."""
+        kind = self.kind
+        if kind == "json":
+            value = self.json
+            if isinstance(value, str):
+                value = json.loads(value)
+            return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+@dataclass
 class SamplingParams:
     """Decoding settings of one request. Names, defaults and meanings follow vLLM.
 
@@ -75,6 +163,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # alternatives reported per prompt token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # a constraint on the output (JSON schema, regex, choice, grammar); a dict is converted
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -109,6 +199,16 @@ class SamplingParams:
                 _check_int(name, value, 0, MAX_LOGPROBS)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = [k for k in so if k not in _STRUCTURED_KINDS]
+            if unknown:
+                raise _invalid("structured_outputs", f"has unknown fields {unknown!r} (allowed: "
+                               f"{', '.join(_STRUCTURED_KINDS)})")
+            self.structured_outputs = StructuredOutputsParams(**so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _invalid("structured_outputs", "must be a StructuredOutputsParams or a dict, "
+                           f"got {type(so).__name__}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,9 @@ class Sequence:
     resume_at: tuple[int, ...] = ()  # prompt positions to keep resume points at (sorted)
     hasher: ResumeHasher | None = field(default=None, repr=False)  # resume keys of all_ids
     admitted: bool = False  # admitted once (its cached prompt tokens are counted)
+    # the llguidance matcher of a constrained request (structured outputs): the tokens this
+    # completion may take next; it consumes each sampled token
+    matcher: Any = field(default=None, repr=False)
     _table_cache: tuple | None = field(default=None, repr=False)
 
     @property

@@ -393,14 +393,15 @@ def load_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None = Non
 
 
 def chat_resume_positions(tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                          prompt_ids: list[int], *, chat_template: str | None = None
-                          ) -> list[int]:
+                          prompt_ids: list[int], *, chat_template: str | None = None,
+                          **template_kwargs: Any) -> list[int]:
     """Token positions in ``prompt_ids`` (the rendered and tokenized chat prompt) where a
     message ends, for the engine to keep resume points at: the first message's end (a system
     prompt that other conversations share), the ends of the last two messages before the new
     one, and the prompt's end (where the next turn, which repeats this prompt and adds the
     answer, resumes). A prefix whose tokens are not a prefix of ``prompt_ids`` (a template
-    that renders earlier messages differently, a merge across the boundary) is left out."""
+    that renders earlier messages differently, a merge across the boundary) is left out.
+    ``template_kwargs`` are the template variables the prompt was rendered with (``tools``)."""
     n = len(messages)
     out = {len(prompt_ids)}
     for k in sorted({1, n - 2, n - 1}):
@@ -408,7 +409,7 @@ def chat_resume_positions(tokenizer: Tokenizer, messages: list[dict[str, Any]],
             continue
         try:
             text = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False,
-                                                 chat_template=chat_template)
+                                                 chat_template=chat_template, **template_kwargs)
         except Exception:  # noqa: BLE001 - a template may refuse a partial conversation
             continue
         ids = tokenizer.encode(text, add_special_tokens=False)

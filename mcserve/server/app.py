@@ -42,13 +42,18 @@ from mcserve.server import protocol as P
 from mcserve.server.async_engine import AsyncEngine
 from mcserve.server.errors import APIError, error_response, unavailable, validation_message
 from mcserve.server.metrics import EngineStatsCollector, ServerMetrics
-from mcserve.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from mcserve.server.middleware import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    GuardMiddleware,
+)
 from mcserve.server.serving_chat import chat_prompt, create_chat_completion
 from mcserve.server.serving_completion import create_completion
 from mcserve.server.shape import ShapeLimits
 from mcserve.server.state import ServerState
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING_REQUESTS", "build_app"]
+__all__ = ["DEFAULT_BODY_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING_REQUESTS",
+           "build_app"]
 
 logger = logging.getLogger("mcserve.server")
 
@@ -74,11 +79,16 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     shutdown_grace_s: float = 5.0,
+    tool_call_parser: str = "auto",
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``LLMEngine``, or an ``AsyncEngine``).
 
     The engine thread starts with the app (lifespan) or on the first request, and stops when the
     app shuts down: requests still running after ``shutdown_grace_s`` are aborted.
+    ``tool_call_parser``: how tool calls are read from answers (``auto``, ``hermes``,
+    ``json``; ``tool_parsers.py``). ``body_timeout_s``: the most time a request body may take
+    to arrive (408 beyond; None: no limit).
     """
     metrics = ServerMetrics()
     if isinstance(engine, AsyncEngine):
@@ -106,7 +116,9 @@ def build_app(
         # the engine keeps resume points (a remote view of Ray replicas says so itself)
         resume_points=bool(getattr(llm, "resume", None) is not None
                            or getattr(llm, "keeps_resume_points", False)),
+        tool_call_parser=tool_call_parser,
     )
+    st.tool_parser  # noqa: B018 - an unknown parser name fails here, not on a request
     st.encoder  # noqa: B018 - builds the tokenizer's length bound now, not on a request
     metrics.registry.register(EngineStatsCollector(aengine))
 
@@ -150,7 +162,8 @@ def build_app(
     app.state.async_engine = aengine
     app.state.drain = drain
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
-                       state=st, shape=ShapeLimits(st.max_model_len, st.vocab_size))
+                       state=st, shape=ShapeLimits(st.max_model_len, st.vocab_size),
+                       body_timeout_s=body_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

@@ -185,6 +185,13 @@ def configure_serve_parser(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     s.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20, metavar="BYTES",
                    help="largest request body; larger ones get 413 (default: %(default)s)")
+    s.add_argument("--body-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
+                   help="most time a request body may take to arrive; a slower one gets 408 "
+                   "(0: no limit; default: %(default)s)")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "json"],
+                   help="how tool calls are read from answers: hermes (<tool_call> blocks), "
+                   "json (the answer is a JSON call); auto: hermes when the chat template "
+                   "mentions <tool_call>, else json (default: %(default)s)")
     s.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    metavar="SECONDS",
                    help="seconds running requests get to finish on SIGTERM before they are "
@@ -296,7 +303,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, api_key=api_key, served_model_name=served,
                     max_body_bytes=args.max_body_bytes,
                     max_waiting_requests=args.max_waiting_requests,
-                    shutdown_grace_s=args.shutdown_timeout)
+                    shutdown_grace_s=args.shutdown_timeout,
+                    tool_call_parser=args.tool_call_parser,
+                    body_timeout_s=args.body_timeout or None)
     describe = engine.describe()
     trained = getattr(getattr(engine, "model_config", None), "max_position_embeddings", None)
     if trained and config.max_model_len > trained:

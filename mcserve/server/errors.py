@@ -23,6 +23,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -81,7 +82,9 @@ def engine_error(e: BaseException) -> APIError:
 
 _FIELD_NAMES: set[str] = set()
 for _cls in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest,
-             P.DetokenizeRequest, P.ChatMessage, P.TextPart, P.StreamOptions):
+             P.DetokenizeRequest, P.ChatMessage, P.TextPart, P.StreamOptions,
+             P.ToolDefinition, P.FunctionDefinition, P.NamedToolChoice, P.ToolCallIn,
+             P.ToolCallFunction):
     _FIELD_NAMES.update(_cls.model_fields)
 
 # union fields fail once per member type: these say once what would have been accepted
@@ -89,6 +92,7 @@ _EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': …}}",
 }
 
 

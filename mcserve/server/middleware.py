@@ -1,11 +1,14 @@
 """ASGI middleware run before any parsing: the API-key check (401), the request-body size
-limit (413) and, for a large body, the caps on its shape (400, ``shape.py``), so that neither an
-unauthorised client, nor an oversized body, nor 4 MiB of tiny JSON values costs a JSON parse.
+limit (413), the time to receive the whole body (408: a client that stalls half-way through its
+body is not held open for ever) and, for a large body, the caps on its shape (400,
+``shape.py``), so that neither an unauthorised client, nor an oversized body, nor 4 MiB of tiny
+JSON values costs a JSON parse.
 It also counts the HTTP requests whose response is not fully sent (a shutdown waits for them)
 and, once the server drains, asks clients to close their connection after each response."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Protocol
 
@@ -15,6 +18,7 @@ from mcserve.server.errors import error_response
 from mcserve.server.shape import ShapeLimits, check_shape
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 60.0  # to receive a whole request body, from its first byte asked for
 # routes behind the API key; /health, /metrics, /version and the docs stay open to probes
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -29,16 +33,19 @@ class InFlight(Protocol):
 
 
 class GuardMiddleware:
-    """API-key check (401), request-body size limit (413) and, with ``shape``, the caps on a
-    large body's shape (400), before any parsing."""
+    """API-key check (401), request-body size limit (413), body receive time limit (408;
+    ``body_timeout_s`` None or 0: none) and, with ``shape``, the caps on a large body's shape
+    (400), before any parsing."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 state: InFlight | None = None, shape: ShapeLimits | None = None):
+                 state: InFlight | None = None, shape: ShapeLimits | None = None,
+                 body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.state = state
         self.shape = shape
+        self.body_timeout_s = body_timeout_s or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,8 +95,21 @@ class GuardMiddleware:
                         return
             chunks: list[bytes] = []
             size = 0
+            loop = asyncio.get_running_loop()
+            deadline = None if self.body_timeout_s is None else loop.time() + self.body_timeout_s
             while True:
-                message = await receive()
+                if deadline is None:
+                    message = await receive()
+                else:
+                    try:
+                        message = await asyncio.wait_for(receive(), deadline - loop.time())
+                    except asyncio.TimeoutError:
+                        slow = error_response(
+                            408, f"the request body did not arrive within "
+                            f"{self.body_timeout_s:g} s", code="request_timeout",
+                            headers={"Connection": "close"})
+                        await slow(scope, receive, send)
+                        return
                 if message["type"] != "http.request":  # disconnected while sending
                     return
                 body = message.get("body", b"")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mcserve.engine.sampling_params import SamplingParams
+from mcserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from mcserve.errors import InvalidRequestError
 from mcserve.server import protocol as P
 from mcserve.server.errors import APIError
@@ -17,17 +17,21 @@ from mcserve.server.state import ServerState
 
 def sampling_params(
     st: ServerState, body: P.SamplingFields, max_tokens: int | None, logprobs: int | None,
-    prompt_logprobs: int | None,
+    prompt_logprobs: int | None, *, structured: StructuredOutputsParams | None = None,
+    max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
-    """The engine's sampling parameters for ``body`` (400 for what the API does not support)."""
+    """The engine's sampling parameters for ``body`` (400 for what the API does not support).
+    ``structured``: the request's constraint (``structured.structured_spec``);
+    ``max_tokens_param``: the field the client sent the length in (``max_completion_tokens``
+    in chat), named by a 400 about it."""
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true",
                        param="stream_options")
     if max_tokens is not None and max_tokens > st.max_model_len:
-        raise APIError(400, f"max_tokens={max_tokens} is more than the model's context "
-                       f"(max_model_len={st.max_model_len})", param="max_tokens")
+        raise APIError(400, f"{max_tokens_param}={max_tokens} is more than the model's context "
+                       f"(max_model_len={st.max_model_len})", param=max_tokens_param)
     if body.stop_token_ids:
         st.check_token_ids(body.stop_token_ids, "stop_token_ids")
     for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
@@ -47,6 +51,7 @@ def sampling_params(
         "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
+        "structured_outputs": structured,
     }
     try:
         return SamplingParams(**kw)

@@ -28,7 +28,9 @@ from pydantic import (
 
 MAX_N = 128  # completions per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # alternatives per token (mcserve.engine.sampling_params.MAX_LOGPROBS)
-MAX_STOP = 16  # stop strings per request
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 512  # characters of one stop string
+MAX_TOOLS = 128  # functions in one chat request (OpenAI's limit)
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_MESSAGES = 2048  # messages in one chat (or /tokenize) request
 MAX_CONTENT_PARTS = 2048  # content parts in one chat request, all messages together
@@ -68,6 +70,17 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
+def _check_stop(value: Any) -> Any:
+    """OpenAI's bounds on stop strings, said plainly (a union's own errors would not)."""
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, list):
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(items)}")
+        if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+    return value
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields shared by completions and chat completions."""
 
@@ -79,7 +92,9 @@ class SamplingFields(OpenAIModel):
     top_k: StrictInt | None = Field(None, ge=-1, description="0 or -1: disabled (vLLM).")
     min_p: float | None = Field(None, ge=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(
+        None, description=f"A string or up to {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+        "characters each.")
     stop_token_ids: TokenIds | None = None
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
@@ -98,6 +113,27 @@ class SamplingFields(OpenAIModel):
         "segment_len, mc_variant and mc_mode are fixed per server. Extra top-level fields "
         "named mc_* are merged in.",
     )
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': "
+        "{'name', 'schema', 'strict'}}: the output follows the schema."
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's constraint: exactly one of json (a schema), regex, choice "
+        "(a list of strings), grammar (Lark or GBNF), json_object (true)."
+    )
+    guided_json: dict[str, Any] | StrictStr | None = Field(
+        None, description="vLLM's older form of structured_outputs.json.")
+    guided_regex: StrictStr | None = Field(
+        None, description="vLLM's older form of structured_outputs.regex.")
+    guided_choice: list[StrictStr] | None = Field(
+        None, description="vLLM's older form of structured_outputs.choice.")
+    guided_grammar: StrictStr | None = Field(
+        None, description="vLLM's older form of structured_outputs.grammar.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stop(cls, value: Any) -> Any:
+        return _check_stop(value)
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -153,12 +189,68 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: StrictStr
+    arguments: StrictStr = Field("{}", description="The arguments as a JSON text.")
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _no_empty_parts(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("content must not be an empty list of parts")
+        return value
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="The JSON schema of the arguments; absent: no arguments.")
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def _check_messages(value: Any) -> Any:
@@ -183,11 +275,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = Field(
-        None, description="Only {'type': 'text'} is supported."
-    )
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none: tools are not shown to the model; auto (the default with "
+        "tools): the model may call them; required, or a named function: it must.")
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="false: at most one tool call per answer.")
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -283,9 +376,28 @@ class ChatLogprobs(ResponseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatResponseMessage(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -308,6 +420,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(ResponseModel):

@@ -25,6 +25,7 @@ from mcserve.server.streaming import (
     stream_response,
     usage,
 )
+from mcserve.server.structured import precompile, rename_param, structured_spec
 
 
 class _CompletionBuilder:
@@ -181,14 +182,21 @@ async def create_completion(st: ServerState, body: P.CompletionRequest, raw: Req
                            param="max_tokens")
         max_tokens, drop = 1, True
     prompt_lp = body.logprobs if body.echo else None
-    params = sampling_params(st, body, max_tokens, body.logprobs, prompt_lp)
+    spec, spec_field = structured_spec(body)
+    params = sampling_params(st, body, max_tokens, body.logprobs, prompt_lp, structured=spec)
     mc = mc_overrides(st, body)
-    # the cheap checks above come first: tokenizing is the one costly step before the engine
+    # the cheap checks above come first: tokenizing and compiling a constraint are the costly
+    # steps before the engine
     prompts = await _completion_prompts(st, body.prompt)
+    if spec is not None and spec_field is not None:
+        await precompile(st, spec, spec_field)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     subs = [(f"{rid}-{i}", text, ids) for i, (text, ids) in enumerate(prompts)]
-    streams = await st.submit(subs, params, mc)
+    try:
+        streams = await st.submit(subs, params, mc)
+    except APIError as e:
+        raise rename_param(e, spec_field) from None
     builder = _CompletionBuilder(st, body, drop)
     n = body.n
 

@@ -19,6 +19,7 @@ from mcserve.server.async_engine import (
 from mcserve.server.errors import RETRY_AFTER_QUEUE_S, APIError, engine_error, unavailable
 from mcserve.server.metrics import ServerMetrics
 from mcserve.server.prompts import PromptEncoder
+from mcserve.server.tool_parsers import ToolParser, choose_parser
 
 # bound on the token-string cache: a vocabulary is far smaller, a runaway tokenizer is not
 _TOKEN_STR_CACHE = 1_000_000
@@ -38,12 +39,32 @@ class ServerState:
     mc_variant: str | None = None
     mc_selects: bool | None = None
     resume_points: bool = False  # the engine keeps resume points: send it chat message ends
+    tool_call_parser: str = "auto"  # --tool-call-parser: auto, hermes or json
     created: int = field(default_factory=lambda: int(time.time()))
     # HTTP requests whose response is not fully sent yet (GuardMiddleware counts them): a
     # shutdown waits for it to reach 0 before it lets the HTTP server close connections
     http_in_flight: int = 0
     _token_str: dict[int, str] = field(default_factory=dict)
     _encoder: PromptEncoder | None = None
+    _tool_parser: ToolParser | None = None
+
+    @property
+    def tool_parser(self) -> ToolParser:
+        """The parser of tool calls in answers (``--tool-call-parser``; ``auto`` reads the
+        chat template)."""
+        if self._tool_parser is None:
+            self._tool_parser = choose_parser(self.tool_call_parser, self.chat_template)
+        return self._tool_parser
+
+    @property
+    def chat_template(self) -> str:
+        """The source of the chat template prompts are rendered with ("" when unknown)."""
+        from_tok = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(from_tok, str) and from_tok:
+            return from_tok
+        from mcserve.engine.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+        return DEFAULT_CHAT_TEMPLATE
 
     @property
     def encoder(self) -> PromptEncoder:

@@ -152,7 +152,9 @@ def run_serve_ray(args: Any, config: Any, *, api_key: str | None,
         engine=engine, replicas=args.replicas, cpu_threads=args.replica_threads,
         router=args.router, api_key=api_key, served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-        shutdown_grace_s=args.shutdown_timeout)
+        shutdown_grace_s=args.shutdown_timeout,
+        tool_call_parser=getattr(args, "tool_call_parser", "auto"),
+        body_timeout_s=getattr(args, "body_timeout", 60.0) or None)
     started_ray = args.ray_address is None
     if started_ray:
         gpus = options.replicas if str(config.device).startswith("cuda") else None

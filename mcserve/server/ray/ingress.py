@@ -346,7 +346,8 @@ class MCServeIngress:
         o = self.options
         app = build_app(self.aengine, api_key=o.api_key, served_model_name=o.served_model_name,
                         max_body_bytes=o.max_body_bytes, max_waiting_requests=None,
-                        shutdown_grace_s=o.shutdown_grace_s)
+                        shutdown_grace_s=o.shutdown_grace_s,
+                        tool_call_parser=o.tool_call_parser, body_timeout_s=o.body_timeout_s)
         # /metrics: every replica's registry, labelled, instead of this process's
         app.router.routes = [r for r in app.router.routes
                              if getattr(r, "path", None) != "/metrics"]

@@ -34,6 +34,8 @@ class RayServeOptions:
     max_body_bytes: int = 4 * 2**20
     max_waiting_requests: int | None = 512  # per replica: beyond it, 429
     shutdown_grace_s: float = 10.0
+    tool_call_parser: str = "auto"  # --tool-call-parser
+    body_timeout_s: float | None = 60.0  # --body-timeout (None: no limit)
     ingress_replicas: int = 1
     max_constructor_retry_count: int = 1  # a replica that cannot load the model fails fast
     health_check_period_s: float = 2.0
@@ -44,7 +46,7 @@ _INT_FIELDS = ("replicas", "cpu_threads", "imbalanced_threshold", "max_ongoing_r
                "max_body_bytes", "max_waiting_requests", "ingress_replicas",
                "max_constructor_retry_count")
 _FLOAT_FIELDS = ("num_gpus", "routing_stats_period_s", "shutdown_grace_s",
-                 "health_check_period_s")
+                 "health_check_period_s", "body_timeout_s")
 
 
 def options_from_args(args: dict[str, Any]) -> RayServeOptions:
