@@ -272,6 +272,51 @@ def test_a_model_that_cannot_load_fails_the_deployment(cluster, tmp_path: Path):
     assert cluster["client"].get("/health").status_code == 200  # the other app is untouched
 
 
+def test_a_model_without_blocks_routes_and_migrates_its_resume_points(cluster, tmp_path: Path):
+    """A model served without MC (no segment blocks: resume points only): turns of one
+    conversation land on one replica (routing keys of 256-token pieces), and under imbalance
+    the other replica imports the holder's resume point (token-identical to a recompute)."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, head_dim=16,
+                      mc_variant="none")
+    none_dir = tmp_path / "none"
+    MCForCausalLM(cfg).save_pretrained(none_dir)
+    opts = RayServeOptions(engine={"model": str(none_dir), **ENGINE}, replicas=2,
+                           app_name="none-app", imbalanced_threshold=2,
+                           routing_stats_period_s=0.5, health_check_period_s=1.0)
+    deploy(opts, route_prefix="/none")
+    try:
+        c = httpx.Client(base_url=f"http://127.0.0.1:{cluster['port']}/none", timeout=60)
+        conv = SYSTEM + "User: what is a resume point?\nAssistant:"
+        served, cached = [], []
+        for turn in range(3):
+            r = complete(c, conv, max_tokens=12)
+            assert r.status_code == 200, r.text
+            served.append(r.headers[REPLICA_HEADER])
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            conv += r.json()["choices"][0]["text"] + f"\nUser: and then {turn}?\nAssistant:"
+        assert len(set(served)) == 1, served
+        assert cached[0] == 0 and all(n >= 256 for n in cached[1:]), cached
+        prompt = SYSTEM + "User: tell me a long story about resume points.\nAssistant:"
+        holder = complete(c, prompt, max_tokens=4).headers[REPLICA_HEADER]
+        with ThreadPoolExecutor(8) as pool:
+            rs = list(pool.map(lambda _: complete(c, prompt, max_tokens=160), range(8)))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        where = [r.headers[REPLICA_HEADER] for r in rs]
+        others = [w for w in where if w != holder]
+        assert holder in where and others, where
+        want = recompute(none_dir, prompt, 160)
+        assert {r.json()["choices"][0]["text"] for r in rs} == {want}
+        text = c.get("/metrics").text
+        moved = replica_metric(text, "mcserve:state_migrated_resume_points_total")
+        assert moved.get(others[0], 0) > 0, [ln for ln in text.splitlines() if "migrat" in ln]
+        hits = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in rs]
+        assert all(h >= 256 for h in hits), hits  # the grid point, local or migrated
+        c.close()
+    finally:
+        serve.delete("none-app")
+
+
 def test_a_killed_replica_fails_its_requests_with_a_retryable_503(cluster):
     c = cluster["client"]
     engine = cluster["engine"]

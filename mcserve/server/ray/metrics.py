@@ -27,8 +27,13 @@ class MigrationMetrics:
         self.blocks = Counter("mcserve:state_migrated_blocks",
                               "State blocks imported from another replica.", registry=registry)
         self.bytes = Counter("mcserve:state_migrated_bytes",
-                             "Bytes of state blocks imported from another replica.",
-                             registry=registry)
+                             "Bytes of state blocks and resume points imported from another "
+                             "replica.", registry=registry)
+        self.resume_points = Counter(
+            "mcserve:state_migrated_resume_points",
+            "Resume points imported from another replica (models without segment blocks "
+            "migrate these: the whole recurrent state where the prompt's prefix ends).",
+            registry=registry)
         self.seconds = Histogram(
             "mcserve:state_migration_seconds",
             "Time to fetch a prefix's blocks from the holder and queue their import.",

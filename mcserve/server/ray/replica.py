@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -186,6 +187,9 @@ class MCServeEngine:
         # prefix hashes of the requests in flight here (export_prefix: could one be computing
         # what another replica asks for?)
         self._inflight_hashes: dict[bytes, int] = {}
+        # a model without segment blocks keeps resume points only: the routing keys of the
+        # prompts served here stand for them in the routing stats (most recent last)
+        self._served_keys: OrderedDict[bytes, None] = OrderedDict()
         logger.info("replica %s: %s", self.name, self.llm.describe())
 
     def _peer_handle(self) -> Any:
@@ -217,6 +221,8 @@ class MCServeEngine:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The block hashes cached here, for the routers (Serve polls this periodically)."""
+        if not self.llm.mc.caches_blocks:
+            return {"replica": self.name, "cached": list(reversed(self._served_keys))}
         try:
             hashes = await self.aengine.call(_cached_hashes, timeout=5.0)
         except Exception:  # noqa: BLE001 - stats must not fail the replica
@@ -245,6 +251,13 @@ class MCServeEngine:
         if req.get("to") not in (None, self.name):
             return {"replica": self.name, "blocks": 0}
         hashes = list(req.get("hashes") or [])
+        if req.get("ids") is not None:  # a model without blocks: its deepest resume point
+            ids = list(req["ids"])
+            export = await self.aengine.call(lambda e: e.export_prefix(ids))
+            if export.resume is None:
+                return {"replica": self.name, "blocks": 0}
+            return {"replica": self.name, "blocks": 0, "resume": export.resume["pos"],
+                    "nbytes": export.nbytes, "ref": [ray.put(export)]}
         # read from the event loop, as ``_migrate`` reads its own index: nothing of it cached
         # here, and no request here that could be computing it (evicted, or a stale guess of
         # the router): say so at once rather than after the engine thread's current step
@@ -278,8 +291,15 @@ class MCServeEngine:
         route = req.get("route") or {}
         holder, want = route.get("holder"), int(route.get("holder_blocks") or 0)
         hashes = list(req.get("hashes") or [])[:want]
-        if not holder or holder == self.name or not hashes or not self.llm.mc.caches_blocks:
-            return None  # (routing keys of a model without blocks name no blocks to fetch)
+        if not holder or holder == self.name or not hashes:
+            return None
+        # a model without segment blocks routes by keys of token pieces, and migrates the
+        # holder's deepest resume point of the prompt instead of blocks
+        ids = None
+        if not self.llm.mc.caches_blocks:
+            ids = req.get("prompt_token_ids")
+            if self.llm.resume is None or not ids:
+                return None
         key = (holder, hashes[-1])
         task = self._fetches.get(key)
         if task is not None:  # another request is fetching this prefix: its import will do
@@ -288,23 +308,23 @@ class MCServeEngine:
         # read from the event loop, not queued on the engine thread: membership tests of the
         # prefix index are atomic under the GIL, and a stale answer costs at most a fetch (or
         # a recompute); the scheduler's own lookup decides what is reused
-        have = self.llm.cached_prefix_blocks(hashes)
-        if have >= len(hashes):
+        if ids is None and self.llm.cached_prefix_blocks(hashes) >= len(hashes):
             return None
-        task = asyncio.ensure_future(self._fetch(holder, hashes))
+        task = asyncio.ensure_future(self._fetch(holder, hashes, ids))
         self._fetches[key] = task
         try:
             return await asyncio.shield(task)
         finally:
             self._fetches.pop(key, None)
 
-    async def _fetch(self, holder: str, hashes: list[bytes]) -> dict[str, Any]:
+    async def _fetch(self, holder: str, hashes: list[bytes], ids: list[int] | None = None
+                     ) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
-            resp = await asyncio.wait_for(
-                self._peer_handle().export_prefix.remote({"to": holder, "hashes": hashes}),
-                MIGRATION_TIMEOUT_S)
-            if resp.get("replica") != holder or not resp.get("blocks"):
+            ask = {"to": holder, "hashes": hashes, **({"ids": ids} if ids is not None else {})}
+            resp = await asyncio.wait_for(self._peer_handle().export_prefix.remote(ask),
+                                          MIGRATION_TIMEOUT_S)
+            if resp.get("replica") != holder or not (resp.get("blocks") or resp.get("resume")):
                 return {"from": holder, "blocks": 0}
             export = await asyncio.wait_for(resp["ref"][0], MIGRATION_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the holder died or is slow: recompute
@@ -316,7 +336,8 @@ class MCServeEngine:
         fetched = time.perf_counter() - t0
         self.migration.seconds.observe(fetched)
         return {"from": holder, "future": fut, "seconds": fetched, "nbytes": export.nbytes,
-                "exported": export.num_blocks}
+                "exported": export.num_blocks,
+                "resume": export.resume["pos"] if export.resume is not None else None}
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
@@ -337,6 +358,12 @@ class MCServeEngine:
                     self._inflight_hashes[h] = left
                 else:
                     self._inflight_hashes.pop(h, None)
+            if not self.llm.mc.caches_blocks and self.llm.resume is not None:
+                for h in hashes:  # its resume points are here now (a guess the router checks)
+                    self._served_keys[h] = None
+                    self._served_keys.move_to_end(h)
+                while len(self._served_keys) > MAX_REPORTED_HASHES:
+                    self._served_keys.popitem(last=False)
 
     async def _generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
         rid = req["request_id"]
@@ -371,10 +398,14 @@ class MCServeEngine:
                 except Exception as e:  # noqa: BLE001 - a failed import: recomputed
                     logger.warning("replica %s: import failed: %s", self.name, e)
                     migration["failed"] = True
-            if blocks:
+            resumed = migration.get("resume") is not None and not migration.get("failed")
+            if blocks or resumed:
                 outcome = "imported"
                 self.migration.blocks.inc(blocks)
                 nbytes = self.llm.cache.bytes_per_block * blocks
+                if resumed:
+                    self.migration.resume_points.inc()
+                    nbytes = int(migration.get("nbytes") or 0)
                 self.migration.bytes.inc(nbytes)
                 migration["nbytes"] = nbytes
             else:
