@@ -198,6 +198,8 @@ class ModelConfig:
 
 
 _DTYPES = ("float32", "float64", "bfloat16")
+#: weight quantizations of the CPU engine (models/lowp_linear.py); None is off
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,13 @@ class EngineConfig:
     host_state_cache_mib: int = 4096
     state_cache_dir: str | None = None  # disk tier of resume points (survives a restart)
     state_cache_disk_gib: float = 8.0  # bound of the disk tier
+    # weights and activations; on the CPU "bfloat16" gives the large linears bfloat16 weights
+    # and keeps everything else (activations, state, small parameters) float32
+    # (models/lowp_linear.py)
     dtype: str = "float32"
+    # CPU: "int8" gives the large linears weight-only int8 weights (one scale per output
+    # channel), quantized at load time; None: off (models/lowp_linear.py)
+    quantization: str | None = None
     device: str = "cpu"
     seed: int = 0  # global sampling seed for requests without their own
     mc_variant: str | None = None
@@ -269,6 +277,17 @@ class EngineConfig:
                              f"{self.state_cache_dir!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
+                                 f"{self.quantization!r}")
+            if self.dtype != "float32":
+                raise ValueError(f"quantization={self.quantization!r} needs dtype='float32' (the "
+                                 f"int8 kernels take float32 activations), got "
+                                 f"dtype={self.dtype!r}")
+            if not str(self.device).startswith("cpu"):
+                raise ValueError(f"quantization={self.quantization!r} is a CPU path, got "
+                                 f"device={self.device!r}")
         if self.mc_variant is not None and self.mc_variant not in VARIANTS:
             raise ValueError(f"mc_variant={self.mc_variant!r} is not one of {VARIANTS}")
         if self.mc_mode is not None and self.mc_mode not in MODES:

@@ -34,6 +34,7 @@ from mcserve.engine.tokenizer import (
     stop_holdback,
 )
 from mcserve.errors import InvalidRequestError
+from mcserve.models.lowp_linear import load_dtype, prepare_cpu_weights
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.packed_linear import pack_linears
 from mcserve.models.registry import is_checkpoint_file, load_model
@@ -70,12 +71,15 @@ class LLMEngine:
             if not (path / "config.json").is_file() and not is_checkpoint_file(path):
                 where = "the embedded default model" if not config.model else "MODEL"
                 raise ValueError(f"{where}: no checkpoint at {path} (config.json missing)")
-            model = load_model(path, dtype=config.dtype, device=config.device,
+            model = load_model(path, dtype=load_dtype(config.dtype, config.device),
+                               device=config.device,
                                mc_overrides=config.mc_overrides())
             if tokenizer is None:
                 tokenizer = load_tokenizer(path, config.tokenizer)
             model_name = model_name or (path.name if config.model else "mcserve-default")
         model.eval()
+        if model.device.type == "cpu":  # int8 / bfloat16 large linears (models/lowp_linear.py)
+            prepare_cpu_weights(model, config.dtype, config.quantization)
         if config.cpu_packed_weights and model.device.type == "cpu":
             pack_linears(model)
         self.model = model

@@ -51,7 +51,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "per layer (comma-separated) or a JSON file (calibrate-delta's output) "
                    "(default: 1, the model as trained)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
-                   help="weights and activations (default: %(default)s)")
+                   help="weights and activations; on the CPU bfloat16 is the engine's: bfloat16 "
+                   "weights for the large linear layers, float32 for the rest (default: "
+                   "%(default)s)")
+    p.add_argument("--quantization", default=None, choices=("int8",),
+                   help="CPU: int8 weights for the large linear layers, as the engine's "
+                   "--quantization (default: none)")
     p.add_argument("--device", default="cpu", help=f"{DEVICE_HELP} (default: %(default)s)")
     p.add_argument("--chunk", type=positive_int, default=1024, metavar="TOKENS",
                    help="tokens per forward call: memory versus speed, the results do not "
@@ -142,7 +147,8 @@ def _prepare(args: argparse.Namespace) -> tuple:
     try:
         model, tok = load(args.model, dtype=args.dtype, device=args.device,
                           tokenizer=args.tokenizer,
-                          delta_scale=getattr(args, "delta_scale", None))
+                          delta_scale=getattr(args, "delta_scale", None),
+                          quantization=getattr(args, "quantization", None))
         with_reset = (not args.no_reset if hasattr(args, "no_reset")
                       else getattr(args, "reset", False))
         settings = parse_settings(args.mc, default_segment_len(model), with_reset=with_reset)
@@ -197,7 +203,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(first_line(e)) from None
     report.update(model=str(args.model), data=str(args.data), dtype=args.dtype,
-                  device=args.device, delta_scale=_ds(args))
+                  quantization=args.quantization, device=args.device, delta_scale=_ds(args))
     return _finish(args, report, format_table, plot)
 
 

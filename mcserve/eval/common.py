@@ -149,16 +149,24 @@ def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> 
 
 # ---------------------------------------------------------------------------- models
 def load(path: str | Path, *, dtype: str = "float32", device: str = "cpu",
-         tokenizer: str | Path | None = None, delta_scale: Any = None
-         ) -> tuple[nn.Module, Any]:
+         tokenizer: str | Path | None = None, delta_scale: Any = None,
+         quantization: str | None = None) -> tuple[nn.Module, Any]:
     """(model, tokenizer) from a checkpoint directory of any supported format; the tokenizer is
     ``mcserve.engine.tokenizer.load_tokenizer(path, tokenizer)``. ``delta_scale``: Mamba2's
-    Δ scaling (``Mamba2Config.delta_scale``), None for the model as trained."""
+    Δ scaling (``Mamba2Config.delta_scale``), None for the model as trained. ``dtype`` and
+    ``quantization`` as the engine applies them (``EngineConfig``; on the CPU, bfloat16 and
+    int8 weights for the large linears: ``models/lowp_linear.py``)."""
+    from mcserve.config import EngineConfig
     from mcserve.engine.tokenizer import load_tokenizer
+    from mcserve.models.lowp_linear import load_dtype, prepare_cpu_weights
     from mcserve.models.registry import load_model
 
+    EngineConfig(dtype=dtype, device=device, quantization=quantization)  # validates the pair
     overrides = {"delta_scale": delta_scale} if delta_scale is not None else None
-    model = load_model(path, dtype=dtype, device=device, mc_overrides=overrides)
+    model = load_model(path, dtype=load_dtype(dtype, device), device=device,
+                       mc_overrides=overrides)
+    if model.device.type == "cpu":
+        prepare_cpu_weights(model, dtype, quantization)
     return model, load_tokenizer(path, tokenizer)
 
 

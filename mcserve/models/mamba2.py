@@ -50,6 +50,7 @@ from mcserve.models.importing import (
     check_positive_ints,
 )
 from mcserve.models.importing import up as _up
+from mcserve.models.lowp_linear import lowp_of
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.native import (
@@ -507,7 +508,9 @@ class Mamba2Block(MambaBlock):
                 or self.norm.weight.dtype != torch.float32 or cpu_ops.ops() is None):
             return None
         if x.shape[0] > cpu_ops.GEMV_MAX_ROWS and (is_packed(m.in_proj) or is_packed(m.out_proj)):
-            return None  # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one
+            # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one (int8 and
+            # bfloat16 weights are never packed: their kernels take any batch in the block)
+            return None
         B = x.shape[0]
         y = cpu_ops.ops().mamba2_block_decode_(x.view(B, -1), *self._fused_args(), S, pl.conv)
         return y.view(x.shape)
@@ -515,20 +518,29 @@ class Mamba2Block(MambaBlock):
     def _fused_args(self) -> tuple:
         """The weights and shape arguments of ``mamba2_block_decode_``, cached while the
         parameters stay the same (``params_key``): gathering them through two dozen module
-        attribute lookups took longer per layer and step than the rest of the Python path."""
-        key = params_key(self, _FUSED_PATHS if self.mixer.norm is None
-                         else _FUSED_PATHS + (("mixer", "norm", "weight"),))
+        attribute lookups took longer per layer and step than the rest of the Python path.
+        A projection with int8 or bfloat16 weights (``lowp_linear``) passes its compact copy
+        (and scales), which the C++ block multiplies by at any row count."""
+        m = self.mixer
+        lp_in, lp_out = lowp_of(m.in_proj), lowp_of(m.out_proj)
+        key = (params_key(self, _FUSED_PATHS if self.mixer.norm is None
+                          else _FUSED_PATHS + (("mixer", "norm", "weight"),)),
+               id(lp_in), id(lp_out))
         cached = self.__dict__.get("_fused_cache")
         if cached is None or cached[0] != key:
-            m = self.mixer
             lo, hi = m.cfg.time_step_limit
             d = lambda t: None if t is None else t.detach()  # noqa: E731
-            args = (d(self.norm.weight), self.norm.eps, d(m.in_proj.weight), d(m.in_proj.bias),
+            w_in, s_in = ((d(m.in_proj.weight), None) if lp_in is None
+                          else (lp_in.data, lp_in.scales))
+            w_out, s_out = ((d(m.out_proj.weight), None) if lp_out is None
+                            else (lp_out.data, lp_out.scales))
+            args = (d(self.norm.weight), self.norm.eps, w_in, s_in,
+                    d(m.in_proj.bias),
                     d(m.conv1d.weight)[:, 0], d(m.conv1d.bias), d(m.dt_bias), d(m.A_log), lo, hi,
                     d(m.D), None if m.norm is None else d(m.norm.weight),
                     m.norm.eps if m.norm is not None else 0.0,
                     m.norm.norm_before_gate if m.norm is not None else False,
-                    d(m.out_proj.weight), d(m.out_proj.bias), m.H, m.P, m.N, m.G)
+                    w_out, s_out, d(m.out_proj.bias), m.H, m.P, m.N, m.G)
             cached = self.__dict__["_fused_cache"] = (key, args)
         return cached[1]
 

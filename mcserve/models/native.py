@@ -23,6 +23,8 @@ from mcserve.config import MCConfig, ModelConfig
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels import dispatch
 from mcserve.models.importing import ConvInput, causal_conv
+from mcserve.models.lowp_linear import LowpWeight, lowp_of
+from mcserve.models.lowp_linear import stack as stack_lowp
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 from mcserve.models.packed_linear import is_packed
@@ -499,6 +501,20 @@ class MCMixer(nn.Module):
             self.__dict__["_decode_cat"] = cached  # not a buffer: stays out of state_dict
         return cached[1], cached[2]
 
+    def _decode_lowp(self) -> LowpWeight | None:
+        """The stacked projections of ``_decode_weights`` in int8 or bfloat16 when every one of
+        them has such weights (``lowp_linear``; the small gate projection usually keeps float32,
+        and then the stack does too), else None. Rebuilt when one changes."""
+        parts = [lowp_of(getattr(self, n)) for n in ("qkv", "u_proj", "g_proj", "gate_proj")
+                 if getattr(self, n) is not None]
+        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+            return None
+        key = tuple(id(p) for p in parts)
+        cached = self.__dict__.get("_decode_lowp_cat")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_decode_lowp_cat"] = (key, stack_lowp(parts))
+        return cached[1]
+
     def _project_decode(self, x: Tensor, pl: PagedLayer):
         """``_project`` for one token per row (inference): one product for every projection and
         a one-pass conv that shifts ``pl.conv`` in place (``kernels.cpu``)."""
@@ -508,7 +524,9 @@ class MCMixer(nn.Module):
         sizes = [3 * H * K] + [H * K] * (self.u_proj is not None) + [H * K]
         if self.gate_proj is not None:
             sizes.append(self.gate_proj.out_features)
-        parts = list(cpu_ops.linear(x[:, 0], w, b).split(sizes, dim=-1))  # each (B, n)
+        lp = self._decode_lowp() if cpu_ops.enabled() else None
+        y = cpu_ops.linear(x[:, 0], w, b) if lp is None else lp.linear(x[:, 0], b)
+        parts = list(y.split(sizes, dim=-1))  # each (B, n)
         qkv = parts.pop(0)
         u = parts.pop(0).view(B, 1, H, K) if self.u_proj is not None else None
         g = parts.pop(0)
@@ -659,16 +677,24 @@ class Block(nn.Module):
         up a dozen module attributes costs more than the call's Python overhead otherwise)."""
         mixer = self.mixer
         w_in, b_in = mixer._decode_weights()  # validates the projection weights
+        lps = (mixer._decode_lowp(), lowp_of(mixer.o_proj), lowp_of(self.mlp.up),
+               lowp_of(self.mlp.down))
         key = (id(w_in), params_key(self, _FUSED_PATHS if mixer.conv is None
-                                    else _FUSED_PATHS + (("mixer", "conv", "weight"),)))
+                                    else _FUSED_PATHS + (("mixer", "conv", "weight"),)),
+               tuple(id(lp) for lp in lps))
         cached = self.__dict__.get("_fused_args")
         if cached is None or cached[1] != key:
             names = mixer.gate_names
-            args = (self.norm1.eps, self.norm1.weight.detach(), w_in, b_in,
+
+            def ws(lp: LowpWeight | None, w: Tensor) -> tuple[Tensor, Tensor | None]:
+                # an int8 / bfloat16 copy (and its scales) where the weights have one
+                return (w.detach(), None) if lp is None else (lp.data, lp.scales)
+
+            args = (self.norm1.eps, self.norm1.weight.detach(), *ws(lps[0], w_in), b_in,
                     None if mixer.conv is None else mixer.conv.weight.detach()[:, 0],
                     mixer.out_norm.weight.detach(), mixer.out_norm.eps,
-                    mixer.o_proj.weight.detach(), self.norm2.weight.detach(),
-                    self.mlp.up.weight.detach(), self.mlp.down.weight.detach(),
+                    *ws(lps[1], mixer.o_proj.weight), self.norm2.weight.detach(),
+                    *ws(lps[2], self.mlp.up.weight), *ws(lps[3], self.mlp.down.weight),
                     mixer.H, mixer.K, mixer.u_proj is not None, "log_a" in names, "b" in names)
             cached = (args, key)
             self.__dict__["_fused_args"] = cached

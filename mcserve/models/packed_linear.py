@@ -108,13 +108,16 @@ def _version(t: Tensor) -> int | None:
 
 class _PackedForward:
     """Replaces ``nn.Linear.forward`` on one module instance (its parameters are untouched, so
-    ``state_dict``, tying and ``.to()`` keep working; ``.to()`` leaves the CPU path anyway)."""
+    ``state_dict``, tying and ``.to()`` keep working; ``.to()`` leaves the CPU path anyway).
+    ``lowp``: the layer's int8 or bfloat16 weight copy (``lowp_linear.apply_weight_precision``),
+    which the C++ low-precision kernels multiply by at any row count."""
 
-    def __init__(self, module: nn.Linear, batch_hint: int, pack: bool):
+    def __init__(self, module: nn.Linear, batch_hint: int, pack: bool, lowp=None):
         self.module = module
         self.weight = module.weight
         self.version = _version(module.weight)
         self.packed = pack_weight(module.weight, batch_hint) if pack else None
+        self.lowp = lowp
 
     def usable(self, x: Tensor) -> bool:
         w = self.module.weight
@@ -126,6 +129,8 @@ class _PackedForward:
         m = self.module
         if self.usable(x):
             bias = m.bias.detach() if m.bias is not None else None
+            if self.lowp is not None and cpu_ops.enabled():
+                return self.lowp.linear(x, bias)
             if x.numel() <= cpu_ops.GEMV_MAX_ROWS * x.shape[-1] and cpu_ops.enabled():
                 return cpu_ops.linear(x, m.weight.detach(), bias)
             if self.packed is not None:

@@ -74,6 +74,9 @@ _ENGINE_HELP = {
                         "there and found again after a restart", "no disk tier"),
     "state_cache_disk_gib": ("bound of the disk tier in GiB", None),
     "dtype": ("weights and activations", None),
+    "quantization": ("CPU: int8 weights for the large linear layers (one scale per output "
+                     "channel, quantized at load time; a quarter of float32's weight bytes "
+                     "per token); int8", "none, float weights"),
     "device": (DEVICE_HELP, None),
     "seed": ("sampling seed of requests that bring none", None),
     "mc_variant": ("Memory Caching variant", "the checkpoint's config.json"),

@@ -34,6 +34,9 @@ from mcserve.kernels.cpu import twins
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("ops.cpp")
+#: every file of the build: ops.cpp and the low-precision kernels it calls (lowp.cpp / lowp.h)
+_SOURCES = (_SRC, _SRC.with_name("lowp.cpp"))
+_HEADERS = (_SRC.with_name("lowp.h"),)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -79,9 +82,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def _src_tag() -> str:
-    """A short hash of the C++ source: two checkouts of different versions on one machine build
+    """A short hash of the C++ sources: two checkouts of different versions on one machine build
     under different names instead of rebuilding over each other."""
-    return hashlib.sha1(_SRC.read_bytes()).hexdigest()[:8]
+    h = hashlib.sha1()
+    for f in _SOURCES + _HEADERS:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:8]
 
 
 #: ``MCSERVE_CPU_ISA`` values other than ``native``: the ``-march`` each builds for and the
@@ -135,6 +141,11 @@ def _build_name() -> tuple[str, list[str]]:
     return f"mcserve_cpu_ops_{isa}_{_src_tag()}", flags
 
 
+#: the highest implementation level of the low-precision kernels (lowp.cpp: 0 scalar, 1 AVX2,
+#: 2 AVX-512, 3 AVX-512 VNNI / BF16) each ``MCSERVE_CPU_ISA`` build may use
+LOWP_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "native": 3}
+
+
 def isa() -> str:
     """The instruction set of the loaded build (``native``, ``avx2``, ``avx512``, ``portable``),
     or why there is none (``status()``)."""
@@ -186,7 +197,7 @@ def _build():
                      "a minute on 2 cores)", build_dir)
         t0 = time.perf_counter()
         # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
-        mod = load(name=name, sources=[str(_SRC)], extra_cflags=flags,
+        mod = load(name=name, sources=[str(f) for f in _SOURCES], extra_cflags=flags,
                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         if fresh:
             log.info("built mcserve CPU kernels in %.0f s", time.perf_counter() - t0)
@@ -226,6 +237,10 @@ def ops():
                 except Exception as e:  # no compiler / headers: the torch twins serve
                     why = f"build failed: {type(e).__name__}: {str(e).strip()[-300:]}"
                     log.warning("mcserve CPU kernels unavailable (%s); using torch ops", why)
+            if mod is not None:
+                # the low-precision kernels pick their instruction set at run time: never above
+                # the level MCSERVE_CPU_ISA asks for
+                mod.lowp_set_cap(LOWP_LEVELS[str(_state.get("isa", "native"))])
             _state["mod"], _state["why"] = mod, why
             if mod is None:
                 _state.pop("isa", None)
@@ -267,6 +282,45 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return twins.linear(x, weight, bias)
     y = m.gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(x.numel() // max(1, x.shape[-1]), x.shape[-1]).contiguous()
+
+
+def linear_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x ``(..., K)`` · (qweight ``(N, K)`` int8 · scales ``(N,)``)ᵀ + bias (twin
+    ``twins.linear_q8``), any number of rows: the C++ kernel (``lowp.cpp``) quantizes each row
+    of x to int16 with its own scale and sums exactly in integers, so a row's result is the same
+    at any batch size and on any instruction set (``lowp_info()``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(x, scales, bias) or qweight.dtype != torch.int8
+            or not qweight.is_cpu or not qweight.is_contiguous() or x.shape[-1] == 0):
+        return twins.linear_q8(x, qweight, scales, bias)
+    y = m.q8_linear(_rows(x), qweight, scales.contiguous(), bias)
+    return y.view(*x.shape[:-1], qweight.shape[0])
+
+
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x ``(..., K)`` float32 · weight ``(N, K)`` bfloat16ᵀ + bias with float32 sums (twin
+    ``twins.linear_bf16``), any number of rows: AVX512-BF16's dot product (x rounded to bfloat16)
+    where the CPU has it, else the exact float32 x by FMA; a row's result does not depend on the
+    batch size."""
+    m = ops()
+    if (m is None or not _f32_cpu(x, bias) or weight.dtype != torch.bfloat16 or not weight.is_cpu
+            or not weight.is_contiguous() or x.shape[-1] == 0):
+        return twins.linear_bf16(x, weight, bias)
+    y = m.bf16_linear(_rows(x), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def lowp_info() -> dict[str, object]:
+    """What the low-precision kernels run on here: the CPU's features as they see them
+    (``avx2_fma``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``), the implementation level each
+    product uses (``int8_impl``, ``bf16_impl``: 0 scalar, 1 AVX2, 2 AVX-512, 3 VNNI / BF16), the
+    cap ``MCSERVE_CPU_ISA`` sets and why a level was dropped; ``{}`` without the C++ ops."""
+    m = ops()
+    return {} if m is None else dict(m.lowp_info())
 
 
 def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,

@@ -9,6 +9,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "lowp.h"
+
 #include <sys/mman.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -746,9 +748,18 @@ torch::Tensor mc_step_readout_(torch::Tensor S, const torch::Tensor& q, const to
 
 namespace {
 
-// x (B, I) · W (O, I)ᵀ (+ bias): the matrix-vector kernel for one or two rows, ATen's GEMM beyond
+// x (B, I) · W (O, I)ᵀ (+ bias): a float32 W takes the matrix-vector kernel for one or two rows
+// and ATen's GEMM beyond; an int8 W (with its per-row scales) or a bfloat16 W takes the
+// low-precision kernels of lowp.cpp at any row count
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& W,
-                          const c10::optional<torch::Tensor>& bias) {
+                          const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& scales = c10::nullopt) {
+  if (W.scalar_type() != torch::kFloat32) {
+    auto y = mcserve_lowp::linear_any(x, W, scales, bias);
+    TORCH_CHECK(y.defined(), "a float32, int8 or bfloat16 weight expected, got ",
+                W.scalar_type());
+    return y;
+  }
   if (x.size(0) <= 2) return gemv(x.contiguous(), W.contiguous(), bias);
   return bias.has_value() && bias->defined() ? at::addmm(*bias, x, W.t()) : at::mm(x, W.t());
 }
@@ -766,10 +777,12 @@ inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 // (Block.forward_paged under kernels.cpu.twins_only()) is its twin.
 torch::Tensor native_block_decode_(
     const torch::Tensor& x, double eps, const torch::Tensor& norm1_w, const torch::Tensor& W_in,
-    const c10::optional<torch::Tensor>& b_in, const c10::optional<torch::Tensor>& conv_w,
-    const torch::Tensor& out_norm_w, double out_eps, const torch::Tensor& W_o,
-    const torch::Tensor& norm2_w, const torch::Tensor& W_up, const torch::Tensor& W_down,
-    int64_t H, int64_t K, bool use_u, bool has_decay, bool has_write, torch::Tensor S,
+    const c10::optional<torch::Tensor>& s_in, const c10::optional<torch::Tensor>& b_in,
+    const c10::optional<torch::Tensor>& conv_w, const torch::Tensor& out_norm_w, double out_eps,
+    const torch::Tensor& W_o, const c10::optional<torch::Tensor>& s_o,
+    const torch::Tensor& norm2_w, const torch::Tensor& W_up,
+    const c10::optional<torch::Tensor>& s_up, const torch::Tensor& W_down,
+    const c10::optional<torch::Tensor>& s_down, int64_t H, int64_t K, bool use_u, bool has_decay, bool has_write, torch::Tensor S,
     c10::optional<torch::Tensor> conv_tail, torch::Tensor seg_ksum, const torch::Tensor& seg_len,
     const torch::Tensor& table, const torch::Tensor& pool, const torch::Tensor& ksum_pool,
     int64_t segment_len, int64_t variant, int64_t top_k,
@@ -781,7 +794,7 @@ torch::Tensor native_block_decode_(
   const int64_t B = x.size(0), D = x.size(1), HK = H * K;
   auto xc = x.contiguous();
   auto h = rms_norm(xc, norm1_w, eps, D, c10::nullopt, false);
-  auto z = rows_linear(h, W_in, b_in);  // (B, 3HK [+ HK u] + HK g + n_gates·H)
+  auto z = rows_linear(h, W_in, b_in, s_in);  // (B, 3HK [+ HK u] + HK g + n_gates·H)
   TORCH_CHECK(z.size(1) == (4 + use_u) * HK + (has_decay + has_write) * H,
               "native_block_decode_: stacked projection width mismatch");
   torch::Tensor qkv = z.narrow(1, 0, 3 * HK);
@@ -932,8 +945,9 @@ torch::Tensor native_block_decode_(
     }
   }
   auto yn = rms_norm(y.reshape({B, HK}), out_norm_w, out_eps, K, g, true);
-  auto x1 = xc + rows_linear(yn, W_o, c10::nullopt);
-  auto t = rows_linear(rms_norm(x1, norm2_w, eps, D, c10::nullopt, false), W_up, c10::nullopt);
+  auto x1 = xc + rows_linear(yn, W_o, c10::nullopt, s_o);
+  auto t = rows_linear(rms_norm(x1, norm2_w, eps, D, c10::nullopt, false), W_up,
+                        c10::nullopt, s_up);
   const int64_t F = t.size(1) / 2;
   auto m = torch::empty({B, F}, x.options());
   {
@@ -942,7 +956,7 @@ torch::Tensor native_block_decode_(
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = 0; c < F; ++c) mp[b * F + c] = silu(tp[b * 2 * F + c]) * tp[b * 2 * F + F + c];
   }
-  return x1 + rows_linear(m, W_down, c10::nullopt);
+  return x1 + rows_linear(m, W_down, c10::nullopt, s_down);
 }
 
 // One decode token through a Mamba2 block (models/mamba2.py, no MC: the plain SSM state):
@@ -952,18 +966,21 @@ torch::Tensor native_block_decode_(
 // The Python path (Mamba2Block.forward_paged under kernels.cpu.twins_only()) is its twin.
 torch::Tensor mamba2_block_decode_(
     const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const torch::Tensor& W_in,
-    const c10::optional<torch::Tensor>& b_in, const torch::Tensor& conv_w,
+    const c10::optional<torch::Tensor>& s_in, const c10::optional<torch::Tensor>& b_in,
+    const torch::Tensor& conv_w,
     const c10::optional<torch::Tensor>& conv_b, const torch::Tensor& dt_bias,
     const torch::Tensor& A_log, double dt_min, double dt_max, const torch::Tensor& Dskip,
     const c10::optional<torch::Tensor>& gnorm_w, double gnorm_eps, bool norm_before_gate,
-    const torch::Tensor& W_out, const c10::optional<torch::Tensor>& b_out, int64_t H,
+    const torch::Tensor& W_out, const c10::optional<torch::Tensor>& s_out,
+    const c10::optional<torch::Tensor>& b_out, int64_t H,
     int64_t P, int64_t N, int64_t G, torch::Tensor S, torch::Tensor conv_tail) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "mamba2_block_decode_: x (B, D) expected");
   TORCH_CHECK(G > 0 && H % G == 0, "mamba2_block_decode_: n_groups must divide n_heads");
   const int64_t B = x.size(0), D = x.size(1), DI = H * P, CD = DI + 2 * G * N;
   auto xc = x.contiguous();
-  auto zx = rows_linear(rms_norm(xc, norm_w, eps, D, c10::nullopt, false), W_in, b_in);
+  auto zx = rows_linear(rms_norm(xc, norm_w, eps, D, c10::nullopt, false), W_in, b_in,
+                        s_in);
   TORCH_CHECK(zx.size(1) == DI + CD + H, "mamba2_block_decode_: in_proj width mismatch");
   auto z = zx.narrow(1, 0, DI);
   auto xbc = conv_step_(conv_tail, zx.narrow(1, DI, CD), conv_w, conv_b, true);  // (B, CD)
@@ -1006,7 +1023,7 @@ torch::Tensor mamba2_block_decode_(
   } else {
     yn = y.reshape({B, DI}) * at::silu(z);
   }
-  return xc + rows_linear(yn, W_out, b_out);
+  return xc + rows_linear(yn, W_out, b_out, s_out);
 }
 
 // A zero-filled CPU tensor whose memory is 2 MiB-aligned and advised for transparent huge pages
@@ -1048,4 +1065,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_block_decode_", &native_block_decode_, "one token through a native MC block");
   m.def("mamba2_block_decode_", &mamba2_block_decode_, "one token through a Mamba2 block");
   m.def("zeros_hugepage", &zeros_hugepage, "zeros on 2 MiB-aligned, huge-page-advised memory");
+  mcserve_lowp::bind(m);
 }

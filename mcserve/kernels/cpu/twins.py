@@ -14,6 +14,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def linear_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x ``(..., K)`` · (qweight ``(N, K)`` int8 · scales ``(N,)``)ᵀ + bias → ``(..., N)``: the
+    weight-only int8 product (per-output-channel scales), in x's precision."""
+    return F.linear(x, qweight.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
+
+
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x ``(..., K)`` · weight ``(N, K)`` (bfloat16)ᵀ + bias → ``(..., N)``, in x's precision."""
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
 def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
                  b: Tensor | None) -> Tensor:
     """S ``(B, H, K, V)`` ← a·S + (b·k) vᵀ in place; returns o = Sᵀq ``(B, H, V)``.

@@ -1,0 +1,198 @@
+"""Low-precision weights for the large ``nn.Linear`` layers of a CPU model: int8 and bfloat16.
+
+A decode step on the CPU reads every weight once per token, so at a few streams its time is
+the bytes of weights read: int8 weights read a quarter of float32's, bfloat16 half. This module
+gives a loaded float32 model such weights without a new file format:
+
+* ``int8`` (``EngineConfig(quantization="int8")``, ``mcserve serve --quantization int8``):
+  weight-only, symmetric, one float32 scale per output channel (row): ``w ≈ s · q`` with
+  ``s = max|row| / 127`` and ``q = round(w / s)`` in [-127, 127];
+* ``bf16`` (``EngineConfig(dtype="bfloat16")`` on the CPU): the weight rounded to bfloat16.
+
+Only linears of at least ``MIN_NUMEL`` weights change (projections, MLPs, the LM head, and the
+embedding tied to it): the small and sensitive parameters stay float32 (convolutions, A/Δ/D,
+norms, gates and routers, small LoRA-style matrices), as do activations, residuals and the
+recurrent state.
+
+Each changed layer keeps its float32 ``weight`` parameter, overwritten with the values the
+low-precision copy represents exactly (``s · q``, or the bfloat16 value), and the compact copy
+next to it. Everything that reads ``weight`` (autograd, ``state_dict``, prefill in any form, the
+twins) therefore computes with the same weights as the fast path: the layer's forward
+(``packed_linear._PackedForward``) routes CPU float32 inference through the C++ kernels of
+``mcserve.kernels.cpu`` (``linear_q8`` / ``linear_bf16``) at any row count, and the fused decode
+blocks (``Mamba2Block``, the native ``Block``) read the compact copy directly (``lowp_of``).
+``F.linear`` on the float weight is the plain twin (autograd on, other devices, no C++ kernels).
+The cost is memory: the float32 weights stay, plus a quarter (int8) or a half (bf16) of them.
+
+The int8 kernel quantizes each input row to int16 (its own scale) and sums exactly in integers:
+every instruction set and every batch size give bit-identical rows. The bf16 kernel has one
+order of additions per output whatever the batch: greedy tokens do not depend on how many
+streams run together (``tests/test_lowp_linear.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mcserve.config import QUANTIZATIONS
+from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.packed_linear import _PackedForward, _version
+
+log = logging.getLogger(__name__)
+
+#: the weight precisions this module applies
+PRECISIONS = ("int8", "bf16")
+#: smaller linears keep float32 weights: gates, routers and LoRA-style matrices are small and
+#: sensitive, and their bytes are a rounding error of a decode step's
+MIN_NUMEL = 2**16
+
+
+@dataclass(frozen=True, eq=False)
+class LowpWeight:
+    """The compact copy of one linear's weight: ``data`` int8 ``(N, K)`` with float32
+    ``scales`` ``(N,)``, or ``data`` bfloat16 ``(N, K)`` (``scales`` None)."""
+
+    kind: str
+    data: Tensor
+    scales: Tensor | None = None
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight these values represent exactly."""
+        if self.kind == "int8":
+            return self.data.float() * self.scales[:, None]
+        return self.data.float()
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``F.linear(x, self.dequantized(), bias)`` through the C++ kernels where they apply."""
+        if self.kind == "int8":
+            return cpu_ops.linear_q8(x, self.data, self.scales, bias)
+        return cpu_ops.linear_bf16(x, self.data, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (
+            0 if self.scales is None else self.scales.numel() * 4)
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w (N, K)`` → int8 ``q`` and float32 ``scales`` with ``w ≈ scales[:, None] · q``:
+    symmetric per row, ``scales = max|row| / 127`` (an all-zero row gets scale 0)."""
+    w = w.detach().float()
+    scales = w.abs().amax(dim=1) / 127
+    q = torch.round(w / torch.where(scales > 0, scales, 1)[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8).contiguous(), scales.contiguous()
+
+
+def make_lowp(kind: str, w: Tensor) -> LowpWeight:
+    """The compact copy of weight ``w`` in precision ``kind`` (one of ``PRECISIONS``)."""
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        return LowpWeight("int8", q, s)
+    if kind == "bf16":
+        return LowpWeight("bf16", w.detach().to(torch.bfloat16).contiguous())
+    raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
+
+
+def stack(parts: list[LowpWeight]) -> LowpWeight:
+    """Several linears' compact weights as one (rows concatenated), as their float weights are
+    stacked for one matrix product; all of one kind."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot stack weights of precisions {sorted(kinds)}")
+    data = torch.cat([p.data for p in parts])
+    scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
+    return LowpWeight(parts[0].kind, data, scales)
+
+
+def lowp_of(module: nn.Module) -> LowpWeight | None:
+    """The compact weight ``module`` computes with, or None: not a low-precision linear, or
+    its float weight was replaced or changed in place since (then the float weight counts)."""
+    fwd = module.__dict__.get("forward")
+    if not isinstance(fwd, _PackedForward) or fwd.lowp is None:
+        return None
+    w = module._parameters.get("weight")
+    if w is not fwd.weight or _version(w) != fwd.version:
+        return None
+    return fwd.lowp
+
+
+def _overwrite(w: Tensor, values: Tensor) -> None:
+    with torch.inference_mode(w.is_inference()), torch.no_grad():
+        w.copy_(values)
+
+
+def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL) -> int:
+    """Give every CPU float32 ``nn.Linear`` of ``model`` with at least ``min_numel`` weights a
+    ``kind`` copy (``int8`` or ``bf16``), round its float weight to the values that copy holds
+    and route its forward through the C++ kernels (module docstring); a weight shared by several
+    linears is converted once. Replaces a oneDNN-packed copy (``pack_linears``): the kernels
+    take every row count. Idempotent; returns how many linears changed."""
+    if kind not in PRECISIONS:
+        raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
+    done: dict[int, LowpWeight] = {}
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        fwd = m.__dict__.get("forward")
+        if isinstance(fwd, _PackedForward) and fwd.lowp is not None:
+            continue
+        w = m.weight
+        if not w.is_cpu or w.dtype != torch.float32 or w.numel() < min_numel:
+            continue
+        lp = done.get(id(w))
+        if lp is None:
+            lp = done[id(w)] = make_lowp(kind, w)
+            _overwrite(w, lp.dequantized())
+        m.forward = _PackedForward(m, 1, pack=False, lowp=lp)
+        n += 1
+    if n and not cpu_ops.enabled():
+        log.warning("%s weights without mcserve's C++ kernels (%s): the linears compute in "
+                    "float32 with the rounded weights, at float32's speed", kind,
+                    cpu_ops.status())
+    return n
+
+
+def weight_precision(model: nn.Module) -> dict[str, object]:
+    """What ``apply_weight_precision`` did to ``model``: linears per precision, the bytes of
+    their compact copies and of the float32 weights they stand for."""
+    kinds: dict[str, int] = {}
+    seen: set[int] = set()
+    compact = full = 0
+    for m in model.modules():
+        lp = lowp_of(m)
+        if lp is None:
+            continue
+        kinds[lp.kind] = kinds.get(lp.kind, 0) + 1
+        if id(lp) not in seen:
+            seen.add(id(lp))
+            compact += lp.nbytes
+            full += lp.data.numel() * 4
+    return {"linears": kinds, "compact_bytes": compact, "float32_bytes": full}
+
+
+def load_dtype(dtype: str, device: str) -> str:
+    """The dtype to load a checkpoint in for ``EngineConfig(dtype=..., device=...)``: bfloat16
+    on the CPU loads float32 (only the large linears' weights become bfloat16, by
+    ``prepare_cpu_weights``); everything else as asked."""
+    if dtype == "bfloat16" and torch.device(device).type == "cpu":
+        return "float32"
+    return dtype
+
+
+def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None) -> int:
+    """The engine's precision step after loading a CPU model: ``quantization="int8"`` gives the
+    large linears int8 weights, else ``dtype="bfloat16"`` gives them bfloat16 weights (of a
+    model that is float32); returns how many linears changed."""
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
+                             f"{quantization!r}")
+        return apply_weight_precision(model, quantization)
+    if dtype == "bfloat16":
+        return apply_weight_precision(model, "bf16")
+    return 0
