@@ -9,7 +9,8 @@ Scripts, in order: ``mc_layer.py`` (one MC layer vs the number of cached segment
 ``offline.py`` (batched ``LLM.generate``), ``serving.py`` (HTTP server, when present),
 ``multi_turn.py`` (multi-turn chat over HTTP, state reuse on and off),
 ``long_context.py`` (decode vs a KV-cache Transformer up to 32K), ``roofline.py`` (machine
-limits and the decode step against them), ``cpu_kernels.py`` (the C++ decode kernels). The
+limits and the decode step against them), ``cpu_kernels.py`` (the C++ decode kernels),
+``structured.py`` (decode with a JSON-schema constraint against without). The
 recall experiments (``experiments/recall/``) train models for minutes to hours and are run on
 their own. Each script runs in its own process with the same Python
 (``--quick`` is passed through, and ``--threads N``: 1 by default with ``--quick``); its output
@@ -50,7 +51,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context", "roofline",
-           "cpu_kernels"]
+           "cpu_kernels", "structured"]
 # helpers, and the CUDA-only scripts (kernels.py, gpu.py)
 NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels", "gpu"}
 

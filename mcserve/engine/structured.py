@@ -184,7 +184,8 @@ class StructuredOutputs:
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """The allowed-token bitmasks ``(len(matchers), words)`` (int32, CPU) of the matchers'
         next tokens, computed in one llguidance call (a view of a buffer reused by the next
-        call). Raises ``RuntimeError`` when a matcher allows no token at all."""
+        call). A matcher in its error state allows no token: the sampler then picks one that
+        the matcher refuses, which fails that request (``LLMEngine._append``)."""
         import llguidance as llg
 
         r = len(matchers)
@@ -197,9 +198,4 @@ class StructuredOutputs:
         # it decorates a function with torch.compile at import, which loads torch._dynamo (2 s)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
                                                buf.data_ptr(), self.words * 4, r)
-        empty = (buf == 0).all(dim=1)
-        if bool(empty.any()):
-            bad = matchers[int(empty.nonzero()[0])]
-            raise RuntimeError("structured outputs: the constraint allows no next token"
-                               + (f" ({bad.get_error()})" if bad.is_error() else ""))
         return buf

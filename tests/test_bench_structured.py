@@ -1,0 +1,42 @@
+"""``bench/structured.py --quick``: constrained and plain decode of the same requests in one
+run; the JSON has both kinds' rounds, every round decoded the same number of tokens, and the
+target is printed, not asserted."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_structured_quick(tmp_path):
+    out = tmp_path / "structured.json"
+    # MCSERVE_CPU_KERNELS=0: the bench's code paths are under test, not the C++ decode kernels,
+    # whose first build alone would take most of a minute
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MCSERVE_CPU_KERNELS": "0"}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "structured.py"), "--quick",
+                        "--threads", "1", "--streams", "4", "--out", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["args"]["quick"] and data["args"]["new_tokens"] == 32
+    for kind in ("plain", "constrained"):
+        rounds = data["rounds"][kind]
+        assert len(rounds) == data["args"]["repeats"] == 2
+        for row in rounds:
+            # the bench checks that every request made all its tokens; the timed ones are those
+            # after the prefill's first
+            assert 0 < row["tokens"] <= 4 * 31 and row["tokens_per_s"] > 0
+    assert all(row["fill_ms_per_step"] > 0 for row in data["rounds"]["constrained"])
+    assert data["rounds"]["plain"][0]["fill_ms_per_step"] is None
+    assert 0 < data["ratio"] == pytest.approx(data["median_tokens_per_s"]["constrained"]
+                                              / data["median_tokens_per_s"]["plain"])
+    assert {t["pass"] for t in data["targets"]} <= {True, False}
+    assert "Targets (printed, not asserted)" in r.stdout
+    assert "| decode" in r.stdout and "bitmask fill ms/step" in r.stdout
