@@ -166,6 +166,37 @@ class McserveRunner:
                       [list(o.outputs[0].token_ids) for o in outs])
 
 
+class McserveEngineRunner:
+    """One mcserve engine kept for several runs (``LLM.generate``, prefix caching off so every
+    prompt is computed): the weight precision comparison (``offline.py --compare
+    --precisions``) interleaves its runners repeat by repeat, which spreads a shared machine's
+    noise over all of them instead of one."""
+
+    def __init__(self, model_dir: Path, name: str, max_streams: int, max_len: int,
+                 **engine_kw: Any):
+        from mcserve.engine.llm import LLM
+        from mcserve.engine.sampling import SamplingParams
+
+        self.name = name
+        self.llm = LLM(str(model_dir), max_num_seqs=max_streams, max_model_len=max_len,
+                       enable_prefix_caching=False, **engine_kw)
+        self.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True),
+                          use_tqdm=False)  # warm up
+
+    def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
+        from mcserve.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        secs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            outs = self.llm.generate(ids, params, use_tqdm=False)
+            secs.append(time.perf_counter() - t0)
+            assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+        return Result(self.name, len(ids), len(ids) * new_tokens, secs,
+                      [list(o.outputs[0].token_ids) for o in outs])
+
+
 # ------------------------------------------------------------------------------ transformers
 
 
@@ -216,9 +247,10 @@ def llama_cpp_src(arg: str | None) -> Path | None:
     return None
 
 
-def gguf_file(model_dir: Path, src: Path) -> Path:
-    """``model_dir`` converted to a float32 GGUF (cached beside it); no tokenizer is written."""
-    out = model_dir.with_name(model_dir.name + "-f32.gguf")
+def gguf_file(model_dir: Path, src: Path, outtype: str = "f32") -> Path:
+    """``model_dir`` converted to a GGUF of ``outtype`` (``f32``, ``f16``, ``q8_0``: the
+    converter's own quantization) cached beside it; no tokenizer is written."""
+    out = model_dir.with_name(model_dir.name + f"-{outtype}.gguf")
     if out.is_file():
         return out
     bare = model_dir.with_name(model_dir.name + "-notok")
@@ -227,7 +259,7 @@ def gguf_file(model_dir: Path, src: Path) -> Path:
     for f in model_dir.iterdir():
         if f.name != "tokenizer.json":
             os.link(f, bare / f.name)
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(bare), "--outtype", "f32",
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(bare), "--outtype", outtype,
            "--outfile", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     shutil.rmtree(bare, ignore_errors=True)
@@ -242,10 +274,11 @@ class LlamaCppRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, gguf: Path, threads: int):
+    def __init__(self, gguf: Path, threads: int, name: str | None = None):
         import llama_cpp as L
 
         self.L, self.threads = L, threads
+        self.name = name or self.name
         L.llama_backend_init()
         # keep the callback referenced: llama.cpp calls it from C for as long as it runs
         self._quiet = L.llama_log_callback(lambda *a: None)
@@ -356,6 +389,22 @@ def llama_cpp_runner(model_dir: Path, src_arg: str | None, threads: int
     if why is not None:
         return None, why
     return LlamaCppRunner(gguf_file(model_dir, src), threads), None
+
+
+def llama_cpp_precision_runners(model_dir: Path, src_arg: str | None, threads: int,
+                                outtypes: tuple[str, ...] = ("f32", "f16", "q8_0")
+                                ) -> tuple[list[LlamaCppRunner], str | None]:
+    """llama.cpp runners of ``model_dir`` converted to each GGUF ``outtype`` (named
+    ``llama.cpp f32`` ...), or none and the reason to print instead of their columns."""
+    why = llama_cpp_missing()
+    src = llama_cpp_src(src_arg)
+    if why is None and src is None:
+        why = ("llama.cpp columns skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or "
+               "set LLAMA_CPP_SRC to the sdist's vendor/llama.cpp folder)")
+    if why is not None:
+        return [], why.replace("llama.cpp column skipped", "llama.cpp columns skipped")
+    return [LlamaCppRunner(gguf_file(model_dir, src, t), threads, name=f"llama.cpp {t.upper()}")
+            for t in outtypes], None
 
 
 def describe_shape(shape: dict[str, Any]) -> str:

@@ -27,6 +27,15 @@ llama.cpp column is whatever ``llama_cpp`` imports: ``--llama-cpp-path DIR`` put
 ``pip install --target DIR`` build first on the path (bench/README.md: an AVX2-only build). The
 printout and JSON say which instruction set each side ran.
 
+``--compare --precisions`` times mcserve's weight precisions on the 130M Mamba2 shape (random
+weights): float32, ``dtype="bfloat16"`` (bfloat16 weights for the large linears, float32
+activations and state) and ``quantization="int8"`` (weight-only int8, one scale per output
+channel), at each ``--streams`` count, plus a prefill row (prompt tokens/s of one
+``--prefill-len``-token prompt), all in one run with the same threads, the runners interleaved
+repeat by repeat; llama.cpp's f32 / f16 / Q8_0 conversions of the same weights join when
+llama-cpp-python and the converter are there (else a note says why not). Prints the CPU's
+features and which kernels ran; writes ``bench/results/offline_compare_precisions.json``.
+
 ``--compare --families`` times mcserve's decode on three imported ~0.1B shapes with random
 weights: RWKV-7 0.1B (BlinkDL ``.pth``), a 130M-class fla Gated DeltaNet and the 130M Mamba2
 (``bench/baselines.py``), at each ``--streams`` count, each with the fused C++ state step and,
@@ -127,6 +136,11 @@ def main() -> None:
                      help="also mcserve with these post-hoc MC variants (e.g. post grm)")
     cmp.add_argument("--rwkv7", action="store_true",
                      help="instead: mcserve vs the rwkv package on the 0.1B RWKV-7 shape")
+    cmp.add_argument("--precisions", action="store_true",
+                     help="instead: mcserve float32 / bf16 / int8 weights (and llama.cpp f32 / "
+                     "f16 / Q8_0 when available) on the 130M Mamba2 shape, with a prefill row")
+    cmp.add_argument("--prefill-len", type=int, default=1024,
+                     help="--precisions: prompt tokens of the prefill row")
     cmp.add_argument("--families", action="store_true",
                      help="instead: mcserve's decode on RWKV-7, Gated DeltaNet and Mamba2 at "
                      "~0.1B, fused state step vs the generic one")
@@ -148,6 +162,8 @@ def main() -> None:
         return compare_rwkv7(args)
     if args.compare and args.families:
         return compare_families(args)
+    if args.compare and args.precisions:
+        return compare_precisions(args)
     if args.compare:
         return compare(args)
     if args.quick:
@@ -262,6 +278,106 @@ def compare(args: argparse.Namespace) -> None:
                "tmp_offline_compare_quick.json" if args.quick else "offline_compare.json",
                extra=args.out)
 
+
+
+#: the /proc/cpuinfo flags that decide which low-precision kernels a CPU can run
+PRECISION_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                   "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def compare_precisions(args: argparse.Namespace) -> None:
+    """mcserve's weight precisions (and llama.cpp's, when available) on one Mamba2 checkpoint:
+    decode tokens/s at each stream count and prompt tokens/s of one long prompt, one run."""
+    import statistics
+
+    import baselines as bl
+
+    from mcserve.kernels import cpu as cpu_ops
+
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 8, 8, 1
+        args.streams, args.prefill_len = [1, 4], 128
+        shape = bl.MAMBA2_QUICK
+    else:
+        args.prompt_len, args.new_tokens = 16, 64
+        shape = bl.MAMBA2_130M
+    threads = set_threads(args.threads)
+    model_dir = bl.mamba2_dir(shape)
+    max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 1
+    kinds = {"float32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+    runners: list = [bl.McserveEngineRunner(model_dir, f"mcserve {k}", max(args.streams),
+                                            max_len, **kw) for k, kw in kinds.items()]
+    llama, why = bl.llama_cpp_precision_runners(model_dir, args.llama_cpp_src, threads)
+    runners += llama
+    notes = [why] if why else []
+    flags = cpu_ops.cpu_flags()
+    isa = isa_info()
+    isa.update(cpu_flags=[f for f in PRECISION_FLAGS if f in flags], lowp=cpu_ops.lowp_info(),
+               llama_cpp=llama[0].system_info() if llama else None)
+    # decode: every runner once per repeat, in turn
+    secs: dict[tuple[str, int], list[float]] = {}
+    outputs: dict[tuple[str, int], bl.Result] = {}
+    for n in args.streams:
+        ids = bl.prompts(shape["vocab_size"], n, args.prompt_len)
+        for _ in range(args.repeats):
+            for r in runners:
+                res = r.run(ids, args.new_tokens, 1)
+                secs.setdefault((r.name, n), []).extend(res.seconds)
+                outputs[(r.name, n)] = res
+        for r in runners:
+            tps = n * args.new_tokens / statistics.median(secs[(r.name, n)])
+            print(f"  {r.name:<16} streams {n:>3}: {tps:8.1f} tokens/s", flush=True)
+    # prefill: one prompt of prefill_len tokens, one new token
+    long = bl.prompts(shape["vocab_size"], 1, args.prefill_len, seed=1)
+    pre: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for r in runners:
+            pre.setdefault(r.name, []).extend(r.run(long, 1, 1).seconds)
+    names = [r.name for r in runners]
+    tps = {(m, n): n * args.new_tokens / statistics.median(secs[(m, n)])
+           for m in names for n in args.streams}
+    ptps = {m: args.prefill_len / statistics.median(pre[m]) for m in names}
+    # greedy agreement with float32 (random weights: near-ties make any rounding diverge soon)
+    agree = {(m, n): bl.agreement(outputs[("mcserve float32", n)], outputs[(m, n)])
+             for m in names for n in args.streams}
+    ratio_cols = [("mcserve bf16", "mcserve float32"), ("mcserve int8", "mcserve float32")]
+    if llama:
+        ratio_cols += [("mcserve float32", "llama.cpp F32"), ("mcserve bf16", "llama.cpp F16"),
+                       ("mcserve int8", "llama.cpp Q8_0")]
+    rows = []
+    for n in args.streams:
+        rows.append([f"decode, {n} stream{'s' if n > 1 else ''}"]
+                    + [f"{tps[(m, n)]:.1f}" for m in names]
+                    + [f"{tps[(a, n)] / tps[(b, n)]:.2f}x" for a, b in ratio_cols])
+    rows.append([f"prefill, {args.prefill_len} tokens"] + [f"{ptps[m]:.0f}" for m in names]
+                + [f"{ptps[a] / ptps[b]:.2f}x" for a, b in ratio_cols])
+    env = env_info()
+    print(env_line(env))
+    print(f"model: Mamba2 {bl.describe_shape(shape)}, random weights; decode: "
+          f"{args.prompt_len}-token prompts -> {args.new_tokens} greedy tokens per stream "
+          f"(generated tokens/s of wall time, prompt included); prefill: prompt tokens/s of one "
+          f"{args.prefill_len}-token prompt; {threads} threads for every implementation; "
+          f"median of {args.repeats}, runners interleaved")
+    print(f"CPU features: {' '.join(isa['cpu_flags']) or 'none of ' + ', '.join(PRECISION_FLAGS)}")
+    lw = isa["lowp"]
+    print(f"instruction sets: mcserve C++ kernels {isa['mcserve_cpu_kernels']} (int8 level "
+          f"{lw.get('int8_impl')}, bf16 level {lw.get('bf16_impl')}: 0 scalar, 1 AVX2, 2 AVX-512, "
+          f"3 VNNI / BF16), torch {isa['torch_cpu_capability']}; llama.cpp: {isa['llama_cpp']}")
+    print_table(rows, ["", *names] + [f"{a.split()[-1]} / {b}" for a, b in ratio_cols],
+                title="tokens/s by weight precision, same weights, same run")
+    print("greedy tokens agreeing with mcserve float32 (random weights): "
+          + ", ".join(f"{m} {n}: {agree[(m, n)]:.0%}" for m in names[1:] for n in args.streams))
+    for note in notes:
+        print(note)
+    write_json({"env": env, "args": vars(args), "shape": shape, "threads": threads, "isa": isa,
+                "decode": [{"name": m, "streams": n, "tokens_per_s": tps[(m, n)],
+                            "seconds": secs[(m, n)], "agreement_with_float32": agree[(m, n)]}
+                           for m in names for n in args.streams],
+                "prefill": [{"name": m, "prompt_tokens": args.prefill_len,
+                             "tokens_per_s": ptps[m], "seconds": pre[m]} for m in names],
+                "notes": notes},
+               "tmp_offline_compare_precisions_quick.json" if args.quick
+               else "offline_compare_precisions.json", extra=args.out)
 
 
 def compare_rwkv7(args: argparse.Namespace) -> None:
