@@ -13,17 +13,19 @@ from mcserve.config import EngineConfig, MCConfig, ModelConfig
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "EngineConfig", "MCConfig", "MCForCausalLM", "ModelConfig", "SamplingParams",
-           "__version__"]
+           "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from mcserve.engine.llm import LLM
     from mcserve.engine.sampling import SamplingParams
+    from mcserve.engine.sampling_params import StructuredOutputsParams
     from mcserve.models.native import MCForCausalLM
 
 _LAZY = {
     "MCForCausalLM": "mcserve.models.native",
     "LLM": "mcserve.engine.llm",
     "SamplingParams": "mcserve.engine.sampling",
+    "StructuredOutputsParams": "mcserve.engine.sampling_params",
 }
 
 

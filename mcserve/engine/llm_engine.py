@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,9 +114,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._token_text: dict[int, str] = {}  # decoded_token of reported logprobs
-        # compiled constraints of structured outputs, built on the first constrained request
-        self._structured: StructuredOutputs | None = None
-        self._structured_lock = threading.Lock()
+        # structured outputs: compiled constraints (llguidance loads on the first one)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
 
     def _pool_size(self, config: EngineConfig, mc: MCConfig) -> int:
         """``num_state_blocks``, or when None: every slot at ``max_model_len`` (one block per
@@ -193,14 +191,6 @@ class LLMEngine:
                    if self.resume is not None else ""))
 
     # ------------------------------------------------------------------ requests
-    @property
-    def structured(self) -> StructuredOutputs:
-        """The compiled constraints of structured outputs (created on first use)."""
-        with self._structured_lock:
-            if self._structured is None:
-                self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
-            return self._structured
-
     def compile_structured(self, spec: StructuredOutputsParams | dict) -> None:
         """Compile a structured-outputs constraint into the cache now, so that the request that
         carries it does not compile it on the engine thread. Thread-safe (the server calls it

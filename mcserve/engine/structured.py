@@ -143,7 +143,14 @@ class StructuredOutputs:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                self._ll = ll_tokenizer(self.tokenizer, self.vocab_size)
+                try:
+                    self._ll = ll_tokenizer(self.tokenizer, self.vocab_size)
+                except InvalidRequestError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - llguidance refused the vocabulary
+                    raise InvalidRequestError(
+                        f"{PARAM}: this model's tokenizer cannot be used for constrained "
+                        f"decoding: {e}", param=PARAM) from None
             return self._ll
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -162,6 +169,11 @@ class StructuredOutputs:
             grammar = grammar_text(spec)
             t0 = time.perf_counter()
             matcher = llg.LLMatcher(ll, grammar, log_level=0, limits=_limits())
+            if not matcher.is_error():
+                # the first mask builds the lexer states every copy starts from (lazily, and it
+                # can take long for a large regex): here, on the compiling thread, rather than
+                # in the engine's step
+                matcher.compute_bitmask()
             took = time.perf_counter() - t0
             if took > SLOW_COMPILE_S:
                 log.warning("structured outputs: a %s constraint took %.1f s to compile",
