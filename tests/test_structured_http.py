@@ -100,6 +100,27 @@ def test_response_format_json_schema_streams_valid_json(http: TestClient) -> Non
     assert plain["choices"][0]["message"]["content"] == text
 
 
+def test_streamed_choices_finish_once(http: TestClient) -> None:
+    """n > 1 streamed: each choice's finish reason comes once, whenever the others end, and
+    every constrained choice is whole."""
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MSGS, "n": 4, "temperature": 1.0, "seed": 2,
+        "max_tokens": 30, "stream": True,
+        "structured_outputs": {"regex": "(a|bb){1,2}|[0-9]{10,20}"}})
+    assert r.status_code == 200
+    finishes: dict[int, list[str]] = {}
+    texts: dict[int, str] = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for c in json.loads(line[6:])["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+                if c["finish_reason"]:
+                    finishes.setdefault(c["index"], []).append(c["finish_reason"])
+    assert finishes == {i: ["stop"] for i in range(4)}
+    for text in texts.values():
+        assert re.fullmatch("(a|bb){1,2}|[0-9]{10,20}", text), text
+
+
 def test_completions_take_every_form(http: TestClient) -> None:
     """Completions take ``response_format``, ``structured_outputs`` (regex, choice, grammar,
     json) and the older ``guided_*`` fields; n > 1 and logprobs under a constraint."""

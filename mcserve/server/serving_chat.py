@@ -180,6 +180,7 @@ async def create_chat_completion(
         async def chunks() -> AsyncIterator[P.ChatCompletionChunk]:
             sent_chars: dict[int, int] = {}
             sent_tokens: dict[int, int] = {}
+            done: set[int] = set()  # choices whose finish was sent (n > 1: others go on)
             tool_streams = {i: ToolStream(tools) for i in range(body.n)} if tools else {}
             first = [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant",
                                                                       content=""))
@@ -190,6 +191,8 @@ async def create_chat_completion(
                     final[:] = [out]
                 choices = []
                 for c in out.outputs:
+                    if c.index in done:
+                        continue
                     calls = None
                     finish = c.finish_reason
                     if tools is not None:
@@ -206,6 +209,8 @@ async def create_chat_completion(
                     sent_tokens[c.index] = len(c.token_ids)
                     if not delta and lp is None and finish is None:
                         continue
+                    if finish is not None:
+                        done.add(c.index)
                     choices.append(P.ChatStreamChoice(
                         index=c.index,
                         delta=P.DeltaMessage(content=delta or None, tool_calls=calls),
