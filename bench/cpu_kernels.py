@@ -7,11 +7,18 @@ Two measurements, each against its baseline in the same run (samples interleaved
   L1/L2): ``F.linear`` (torch's GEMM), oneDNN's packed weights (``models/packed_linear.py``) and
   the C++ GEMV (``kernels.cpu.linear``); shapes of the default model (d 256, 4 layers, tied 4096
   vocabulary head) and of the 130M Mamba2 (hidden 768, 24 layers, 50288 vocabulary);
+* **weight precisions** (``--lowp`` alone, or with the rest): every weight of the 130M Mamba2's
+  decode step at 1, 2, 4, 8, 16 and 64 rows: float32 as the engine runs it (the C++ GEMV up to 2
+  rows, oneDNN packed beyond), torch's weight-only int8 product ``_weight_int8pack_mm`` (with
+  bfloat16 x: its float32-x path is far slower), the C++ int8 and bfloat16 kernels
+  (``kernels/cpu/lowp.cpp``) at each instruction-set level this CPU runs, and oneDNN's packed
+  bfloat16 product (bfloat16 in and out: the old ``--dtype bfloat16`` path);
 * **the MC block readout** (``readout_paged``: Σ_n w_n · S_nᵀ q over 512 cached 64 × 64 states
   per head, 4 heads, 4 layers, as ``grm`` at 32K context), with the pools on ordinary 4 KiB pages
   (``torch.zeros``) and on transparent huge pages (``kernels.cpu.zeros``).
 
-    python bench/cpu_kernels.py --threads 1     # about a minute
+    python bench/cpu_kernels.py --threads 1     # about two minutes
+    python bench/cpu_kernels.py --threads 1 --lowp   # the weight precisions only
     python bench/cpu_kernels.py --quick         # CI smoke (seconds)
 
 Prints tables and writes ``bench/results/cpu_kernels.json`` (``--quick``:
@@ -57,6 +64,51 @@ def bench_gemv(name: str, shapes: list[tuple[int, int]], rows: int, repeats: int
             "results": {k: {**v, "gb_per_s": nbytes / v["median"] / 1e9} for k, v in t.items()}}
 
 
+LOWP_ROWS = (1, 2, 4, 8, 16, 64)
+LEVEL_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512", 3: "VNNI"}
+
+
+def bench_lowp(shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
+    """Every weight of ``shapes`` at ``rows`` rows in each precision and implementation."""
+    from mcserve.models.lowp_linear import quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(o, i, generator=g) for o, i in shapes]
+    qs = [quantize_int8(w) for w in ws]
+    qs_b = [(q, s.bfloat16()) for q, s in qs]
+    bfs = [w.bfloat16() for w in ws]
+    xs = {i: torch.randn(rows, i, generator=g) for _, i in shapes}
+    m = cpu.ops()
+    info = cpu.lowp_info()
+    if rows <= cpu.GEMV_MAX_ROWS or not packed_linear.available():
+        fns = {"float32 (engine: C++ GEMV / oneDNN)":
+               lambda: [cpu.linear(xs[w.shape[1]], w) for w in ws]}
+    else:
+        packed = [packed_linear.pack_weight(w) for w in ws]
+        fns = {"float32 (engine: C++ GEMV / oneDNN)":
+               lambda: [packed_linear.packed_linear(xs[w.shape[1]], p, None)
+                        for w, p in zip(ws, packed)]}
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        fns["int8 torch _weight_int8pack_mm"] = lambda: [
+            torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s).float()
+            for q, s in qs_b]
+    for lvl in range(int(info["int8_max"]), 0, -1):
+        fns[f"int8 C++ {LEVEL_NAMES[lvl]}"] = lambda lvl=lvl: [
+            m.q8_linear(xs[q.shape[1]], q, s, None, lvl) for q, s in qs]
+    for lvl in range(int(info["bf16_max"]), 0, -1):
+        name = "BF16 dot" if lvl == 3 else LEVEL_NAMES[lvl] + " FMA"
+        fns[f"bf16 C++ {name}"] = lambda lvl=lvl: [
+            m.bf16_linear(xs[w.shape[1]], w, None, lvl) for w in bfs]
+    if packed_linear.available() and packed_linear.bf16_packing_supported():
+        pb = [packed_linear.pack_weight(w) for w in bfs]
+        fns["bf16 oneDNN packed (bf16 in/out)"] = lambda: [
+            packed_linear.packed_linear(xs[w.shape[1]].bfloat16(), p, None)
+            for w, p in zip(bfs, pb)]
+    t = timeit_many(fns, repeats=repeats, warmup=1, min_sample_s=0.02)
+    return {"rows": rows, "weights": len(shapes),
+            "results": {k: dict(v) for k, v in t.items()}}
+
+
 def bench_readout(n_blocks: int, repeats: int) -> dict:
     H, K, L = 4, 64, 4
     g = torch.Generator().manual_seed(1)
@@ -84,6 +136,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke)")
+    ap.add_argument("--lowp", action="store_true",
+                    help="only the weight precisions (int8, bfloat16 against float32)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     threads = set_threads(args.threads)
@@ -93,6 +147,31 @@ def main() -> int:
     env = env_info()
     print(env_line(env))
     repeats = 3 if args.quick else args.repeats
+    lowp_shapes = (SHAPES["default (d256, 4 layers)"][:5] if args.quick
+                   else SHAPES["mamba2-130m (24 layers)"])
+    lowp = [bench_lowp(lowp_shapes, rows, repeats) for rows in LOWP_ROWS[:3 if args.quick else 6]]
+    info = cpu.lowp_info()
+    print(f"low-precision kernels: int8 level {info['int8_impl']}, bf16 level "
+          f"{info['bf16_impl']} (AVX2 {info['avx2_fma']}, AVX-512 {info['avx512']}, VNNI "
+          f"{info['avx512_vnni']}, BF16 {info['avx512_bf16']})")
+    rows = []
+    for r in lowp:
+        base = r["results"]["float32 (engine: C++ GEMV / oneDNN)"]["median"]
+        for k, v in r["results"].items():
+            rows.append([r["rows"], k, fmt_time(v["median"]), f"{base / v['median']:.2f}x"])
+    print_table(rows, ["rows", "implementation", "median", "vs float32"],
+                title=f"\nweight precisions over every weight of a "
+                      f"{'default-model' if args.quick else '130M Mamba2'} decode step "
+                      f"({threads} threads)")
+    if args.lowp:
+        from common import write_json
+
+        out = {"bench": "cpu_kernels_lowp", "env": env, "threads": threads, "quick": args.quick,
+               "lowp_info": info, "lowp": lowp}
+        paths = write_json(out, "tmp_cpu_kernels_lowp_quick.json" if args.quick
+                           else "cpu_kernels_lowp.json", extra=args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return 0
     shapes = ({"default (d256, 4 layers)": SHAPES["default (d256, 4 layers)"][:5]}
               if args.quick else SHAPES)
     gemv = [bench_gemv(name, s, rows, repeats) for name, s in shapes.items() for rows in (1, 2)]
@@ -115,7 +194,7 @@ def main() -> int:
     from common import write_json
 
     out = {"bench": "cpu_kernels", "env": env, "threads": threads, "quick": args.quick,
-           "gemv": gemv, "readout": ro}
+           "gemv": gemv, "readout": ro, "lowp_info": info, "lowp": lowp}
     paths = write_json(out, "tmp_cpu_kernels_quick.json" if args.quick else "cpu_kernels.json",
                        extra=args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
