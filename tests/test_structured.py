@@ -44,7 +44,9 @@ def leaf_schema(rng: random.Random) -> dict[str, Any]:
     if kind == "number":
         lo = round(rng.uniform(-100, 100), 2)
         return {"type": "number", "minimum": lo, "maximum": round(lo + rng.uniform(0.5, 500), 2),
-                "multipleOf": rng.choice([0.5, 0.25, 0.01, 1])}
+                # powers of two: jsonschema checks multipleOf in binary floating point, where
+                # 10.11 / 0.01 is not a whole number
+                "multipleOf": rng.choice([0.5, 0.25, 0.125, 1])}
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "enum":

@@ -24,7 +24,7 @@ from mcserve.engine.sampling_params import StructuredOutputsParams
 from mcserve.engine.scheduler import Scheduler
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import PrefixExport, StateCache
-from mcserve.engine.structured import StructuredOutputs
+from mcserve.engine.structured import BatchMasks, StructuredOutputs
 from mcserve.engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -110,12 +110,14 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._arrival = itertools.count()
-        self._global_gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        # sampling generators live on the logits' device (a CPU one fails a draw on CUDA)
+        self._global_gen = torch.Generator(device=model.device).manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._token_text: dict[int, str] = {}  # decoded_token of reported logprobs
         # structured outputs: compiled constraints (llguidance loads on the first one)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self._masks: BatchMasks | None = None  # this step's, filled before the sampler
 
     def _pool_size(self, config: EngineConfig, mc: MCConfig) -> int:
         """``num_state_blocks``, or when None: every slot at ``max_model_len`` (one block per
@@ -255,7 +257,8 @@ class LLMEngine:
         salt = request_salt(self.cache.salt, mc_top_k)
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), params,
-                           generator=make_generator(params.seed, "cpu", i), arrival=arrival,
+                           generator=make_generator(params.seed, self.model.device, i),
+                           arrival=arrival,
                            mc_top_k=mc_top_k, salt=salt, resume_at=marks)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             if params.logprobs is not None:
@@ -367,6 +370,9 @@ class LLMEngine:
         to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
         seqs: list[Sequence] = []
         if to_sample:
+            # the constrained rows' allowed tokens, filled before anything waits for the logits:
+            # on a GPU the model's step is still running
+            self._masks = self.structured.fill_for([s for s, _ in to_sample])
             seqs, logits = self._drop_non_finite(
                 [s for s, _ in to_sample], torch.stack([lg for _, lg in to_sample]), touched)
         if seqs:
@@ -427,10 +433,9 @@ class LLMEngine:
         return [seqs[r] for r in keep], logits[keep]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple]:
-        # constrained rows: their allowed tokens, all of them in one call (none: no bitmask)
-        rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
-        masks = ((rows, self.structured.fill([seqs[r].matcher for r in rows]))
-                 if rows else None)
+        # the constrained rows' bitmasks (filled by step(), else now); a plain batch has none
+        filled, self._masks = self._masks, None
+        masks = self.structured.rows(seqs, filled)
         out = self.sampler(
             logits.float(), [s.params for s in seqs],
             [s.generator or self._global_gen for s in seqs], [s.output_ids for s in seqs],

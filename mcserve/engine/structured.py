@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,11 +30,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mcserve.engine.tokenizer import Tokenizer
 
-__all__ = ["JSON_OPTIONS", "StructuredOutputs", "grammar_text"]
+__all__ = ["JSON_OPTIONS", "BatchMasks", "StructuredOutputs", "grammar_text"]
 
 log = logging.getLogger(__name__)
 
 PARAM = "structured_outputs"
+# the bitmasks of a batch's constrained sequences: the row of each (by seq_id), the bitmask
+BatchMasks = tuple[dict[int, int], torch.Tensor]
 CACHE_SIZE = 256  # compiled constraints kept (LRU), errors included
 SLOW_COMPILE_S = 1.0  # a compile slower than this is logged
 
@@ -192,6 +195,31 @@ class StructuredOutputs:
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A matcher for one sequence: a copy of the compiled template, at its start."""
         return self.compile(spec).deep_copy()
+
+    def fill_for(self, seqs: Sequence[Any]) -> BatchMasks | None:
+        """The bitmasks of the constrained ones among ``seqs`` (``engine.sequence.Sequence``),
+        in one ``fill``; None when none is constrained."""
+        cons = [s for s in seqs if s.matcher is not None]
+        if not cons:
+            return None
+        return {s.seq_id: i for i, s in enumerate(cons)}, self.fill([s.matcher for s in cons])
+
+    def rows(self, seqs: Sequence[Any], filled: BatchMasks | None
+             ) -> tuple[list[int], torch.Tensor] | None:
+        """The sampler's ``token_bitmask`` for a batch of ``seqs``: the constrained rows and
+        their bitmasks, taken from ``filled`` (``fill_for`` of a set of sequences that holds
+        them; its matchers not advanced since), else filled now. None for a plain batch."""
+        rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        if filled is None or any(seqs[r].seq_id not in filled[0] for r in rows):
+            filled = self.fill_for([seqs[r] for r in rows])
+            assert filled is not None
+        index, bitmask = filled
+        picked = [index[seqs[r].seq_id] for r in rows]
+        if picked != list(range(bitmask.shape[0])):
+            bitmask = bitmask[picked]
+        return rows, bitmask
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """The allowed-token bitmasks ``(len(matchers), words)`` (int32, CPU) of the matchers'
