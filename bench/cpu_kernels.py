@@ -70,13 +70,16 @@ LEVEL_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512", 3: "VNNI"}
 
 def bench_lowp(shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
     """Every weight of ``shapes`` at ``rows`` rows in each precision and implementation."""
+    from mcserve.kernels.cpu.twins import pack_pairs
     from mcserve.models.lowp_linear import quantize_int8
 
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g) for o, i in shapes]
-    qs = [quantize_int8(w) for w in ws]
-    qs_b = [(q, s.bfloat16()) for q, s in qs]
+    plain = [quantize_int8(w) for w in ws]
+    qs = [(pack_pairs(q), s) for q, s in plain]  # the kernels' blocked layout
+    qs_b = [(q, s.bfloat16()) for q, s in plain]  # torch's: (N, K)
     bfs = [w.bfloat16() for w in ws]
+    bps = [(pack_pairs(w), torch.ones(w.shape[0])) for w in bfs]
     xs = {i: torch.randn(rows, i, generator=g) for _, i in shapes}
     m = cpu.ops()
     info = cpu.lowp_info()
@@ -92,13 +95,13 @@ def bench_lowp(shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
         fns["int8 torch _weight_int8pack_mm"] = lambda: [
             torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s).float()
             for q, s in qs_b]
-    for lvl in range(int(info["int8_max"]), 0, -1):
+    for lvl in range(int(info["int8_impl"]), 0, -1):  # the levels MCSERVE_CPU_ISA allows
         fns[f"int8 C++ {LEVEL_NAMES[lvl]}"] = lambda lvl=lvl: [
-            m.q8_linear(xs[q.shape[1]], q, s, None, lvl) for q, s in qs]
-    for lvl in range(int(info["bf16_max"]), 0, -1):
+            m.q8_linear(xs[w.shape[1]], q, s, None, lvl) for w, (q, s) in zip(ws, qs)]
+    for lvl in range(int(info["bf16_impl"]), 0, -1):
         name = "BF16 dot" if lvl == 3 else LEVEL_NAMES[lvl] + " FMA"
         fns[f"bf16 C++ {name}"] = lambda lvl=lvl: [
-            m.bf16_linear(xs[w.shape[1]], w, None, lvl) for w in bfs]
+            m.bf16_linear(xs[w.shape[1]], p, s, None, lvl) for w, (p, s) in zip(bfs, bps)]
     if packed_linear.available() and packed_linear.bf16_packing_supported():
         pb = [packed_linear.pack_weight(w) for w in bfs]
         fns["bf16 oneDNN packed (bf16 in/out)"] = lambda: [

@@ -49,9 +49,22 @@ SHAPES = [(1, 37, 77), (2, 5, 33), (3, 130, 1000), (5, 64, 64), (8, 17, 31), (13
 
 
 def quantized(N: int, K: int, seed: int):
+    """A random weight (rows of mixed scale), its int8 quantization packed for the kernels, and
+    the scales."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g)  # rows of mixed scale
-    return w, *lp.quantize_int8(w)
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g)
+    q, s = lp.quantize_int8(w)
+    return w, twins.pack_pairs(q), s
+
+
+def test_pack_pairs_round_trip():
+    for N, K in ((1, 1), (16, 2), (17, 3), (75, 77)):
+        w = torch.randn(N, K)
+        p = twins.pack_pairs(w)
+        assert p.shape == (-(-N // 16), -(-K // 2), 16, 2)
+        assert torch.equal(twins.unpack_pairs(p, N, K), w)
+        assert p.sum() == w.sum() or torch.allclose(p.sum(), w.sum())  # zeros elsewhere
+        assert p[0, 0, 0, 0] == w[0, 0]
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -72,7 +85,8 @@ def test_q8_kernel_matches_twin_at_every_level(B, N, K, bias):
     assert torch.equal(cpu.linear_q8(x, q, s, b), ys[-1])  # the public op takes the best
     # torch's own weight-only int8 product (the other candidate, slower here: docs/cpu-kernels.md)
     if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        ref = torch.ops.aten._weight_int8pack_mm(x, q, s) + (0 if b is None else b)
+        plain = twins.unpack_pairs(q, N, K).contiguous()
+        ref = torch.ops.aten._weight_int8pack_mm(x, plain, s) + (0 if b is None else b)
         assert rel(ys[-1], ref) < 1e-3
 
 
@@ -80,16 +94,18 @@ def test_q8_kernel_matches_twin_at_every_level(B, N, K, bias):
 @pytest.mark.parametrize("B,N,K", SHAPES, ids=lambda v: str(v))
 def test_bf16_kernel_matches_twin_at_every_level(B, N, K):
     g = torch.Generator().manual_seed(B + N * K)
-    wb = torch.randn(N, K, generator=g).bfloat16()
+    wb = twins.pack_pairs(torch.randn(N, K, generator=g).bfloat16())
+    s = torch.rand(N, generator=g) + 0.5
     x = torch.randn(B, K, generator=g)
     b = torch.randn(N, generator=g)
-    want = twins.linear_bf16(x, wb, b)
+    want = twins.linear_bf16(x, wb, s, b)
     for impl in levels("bf16"):
-        y = cpu.ops().bf16_linear(x, wb, b, impl)
+        y = cpu.ops().bf16_linear(x, wb, s, b, impl)
         # levels 0-2 multiply by the exact float32 x; level 3 (vdpbf16ps) rounds x to bfloat16
         assert rel(y, want) < (1e-5 if impl < 3 else 1e-2), impl
         if impl == 3:
-            assert rel(y, twins.linear_bf16(x.bfloat16().float(), wb, b)) < 1e-5
+            assert rel(y, twins.linear_bf16(x.bfloat16().float(), wb, s, b)) < 1e-5
+    assert torch.equal(cpu.linear_bf16(x, wb, s, b), cpu.ops().bf16_linear(x, wb, s, b, -1))
 
 
 @needs_ops
@@ -97,10 +113,10 @@ def test_bf16_kernel_matches_twin_at_every_level(B, N, K):
 def test_kernels_are_batch_invariant(kind):
     """A row gives the same bits alone and inside any batch (1..40 rows), at every level."""
     w, q, s = quantized(67, 301, 3)
-    wb = w.bfloat16()
+    wb = twins.pack_pairs(w.bfloat16())
     x = torch.randn(40, 301, generator=torch.Generator().manual_seed(4))
     op = ((lambda xs, i: cpu.ops().q8_linear(xs, q, s, None, i)) if kind == "int8"
-          else (lambda xs, i: cpu.ops().bf16_linear(xs, wb, None, i)))
+          else (lambda xs, i: cpu.ops().bf16_linear(xs, wb, s, None, i)))
     for impl in levels(kind):
         full = op(x, impl)
         for n in (1, 2, 3, 5, 8, 13, 16, 17):
@@ -119,9 +135,10 @@ def test_kernels_edge_rows():
     assert torch.equal(y[1], b) and torch.isnan(y[2]).all()
     assert rel(y[0], twins.linear_q8(x[:1], q, s, b)[0]) < 1e-3
     assert cpu.linear_q8(torch.randn(0, 20), q, s).shape == (0, 9)
-    assert cpu.linear_bf16(torch.randn(2, 4, 20), w.bfloat16()).shape == (2, 4, 9)
-    with pytest.raises(RuntimeError, match="q8_linear"):
-        cpu.ops().q8_linear(torch.randn(2, 19), q, s, None, -1)
+    wb = twins.pack_pairs(w.bfloat16())
+    assert cpu.linear_bf16(torch.randn(2, 4, 20), wb, torch.ones(9)).shape == (2, 4, 9)
+    with pytest.raises(RuntimeError, match="q8_linear: a contiguous packed weight"):
+        cpu.ops().q8_linear(torch.randn(2, 23), q, s, None, -1)  # K 23: 12 pairs, not 10
     with pytest.raises(RuntimeError, match="not available"):
         cpu.ops().q8_linear(x, q, s, None, 4)
 
@@ -195,7 +212,8 @@ def test_tied_weight_converted_once():
     # the embedding reads the same rounded rows the head multiplies by
     assert torch.equal(emb.weight, lp.lowp_of(head).dequantized())
     info = lp.weight_precision(model)
-    assert info["linears"] == {"int8": 1} and info["compact_bytes"] == 300 * 256 + 300 * 4
+    assert info["linears"] == {"int8": 1} and info["float32_bytes"] == 300 * 256 * 4
+    assert info["compact_bytes"] == 304 * 256 + 300 * 4  # rows padded to blocks of 16
 
 
 def test_engine_config_validates_quantization():

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from mcserve.config import QUANTIZATIONS
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.kernels.cpu.twins import pack_pairs, unpack_pairs
 from mcserve.models.packed_linear import _PackedForward, _version
 
 log = logging.getLogger(__name__)
@@ -53,29 +54,36 @@ MIN_NUMEL = 2**16
 
 @dataclass(frozen=True, eq=False)
 class LowpWeight:
-    """The compact copy of one linear's weight: ``data`` int8 ``(N, K)`` with float32
-    ``scales`` ``(N,)``, or ``data`` bfloat16 ``(N, K)`` (``scales`` None)."""
+    """The compact copy of one linear's weight ``(N, K)``: ``data`` int8 or bfloat16 in the
+    kernels' blocked layout (``kernels.cpu.twins.pack_pairs``), ``scales`` ``(N,)`` float32
+    (per-output-channel for int8, ones for bfloat16)."""
 
     kind: str
     data: Tensor
-    scales: Tensor | None = None
+    scales: Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.numel()
+
+    def weight(self) -> Tensor:
+        """The int8 / bfloat16 weight ``(N, K)`` (unpacked)."""
+        return unpack_pairs(self.data, self.out_features, self.in_features)
 
     def dequantized(self) -> Tensor:
         """The float32 weight these values represent exactly."""
-        if self.kind == "int8":
-            return self.data.float() * self.scales[:, None]
-        return self.data.float()
+        return self.weight().float() * self.scales[:, None]
 
     def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear(x, self.dequantized(), bias)`` through the C++ kernels where they apply."""
         if self.kind == "int8":
             return cpu_ops.linear_q8(x, self.data, self.scales, bias)
-        return cpu_ops.linear_bf16(x, self.data, bias)
+        return cpu_ops.linear_bf16(x, self.data, self.scales, bias)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + (
-            0 if self.scales is None else self.scales.numel() * 4)
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * 4
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,25 +95,30 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8).contiguous(), scales.contiguous()
 
 
+def from_weight(kind: str, q: Tensor, scales: Tensor | None = None) -> LowpWeight:
+    """A ``LowpWeight`` of an int8 (with its scales) or bfloat16 weight ``(N, K)``."""
+    if scales is None:
+        scales = torch.ones(q.shape[0])
+    return LowpWeight(kind, pack_pairs(q), scales.float().contiguous(), q.shape[1])
+
+
 def make_lowp(kind: str, w: Tensor) -> LowpWeight:
     """The compact copy of weight ``w`` in precision ``kind`` (one of ``PRECISIONS``)."""
     if kind == "int8":
-        q, s = quantize_int8(w)
-        return LowpWeight("int8", q, s)
+        return from_weight("int8", *quantize_int8(w))
     if kind == "bf16":
-        return LowpWeight("bf16", w.detach().to(torch.bfloat16).contiguous())
+        return from_weight("bf16", w.detach().to(torch.bfloat16))
     raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
 
 
 def stack(parts: list[LowpWeight]) -> LowpWeight:
     """Several linears' compact weights as one (rows concatenated), as their float weights are
-    stacked for one matrix product; all of one kind."""
+    stacked for one matrix product; all of one kind and width."""
     kinds = {p.kind for p in parts}
-    if len(kinds) != 1:
-        raise ValueError(f"cannot stack weights of precisions {sorted(kinds)}")
-    data = torch.cat([p.data for p in parts])
-    scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
-    return LowpWeight(parts[0].kind, data, scales)
+    if len(kinds) != 1 or len({p.in_features for p in parts}) != 1:
+        raise ValueError("cannot stack weights of different precisions or widths")
+    return from_weight(parts[0].kind, torch.cat([p.weight() for p in parts]),
+                       torch.cat([p.scales for p in parts]))
 
 
 def lowp_of(module: nn.Module) -> LowpWeight | None:
@@ -171,7 +184,7 @@ def weight_precision(model: nn.Module) -> dict[str, object]:
         if id(lp) not in seen:
             seen.add(id(lp))
             compact += lp.nbytes
-            full += lp.data.numel() * 4
+            full += lp.out_features * lp.in_features * 4
     return {"linears": kinds, "compact_bytes": compact, "float32_bytes": full}
 
 

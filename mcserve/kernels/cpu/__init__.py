@@ -288,30 +288,37 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(x.numel() // max(1, x.shape[-1]), x.shape[-1]).contiguous()
 
 
+def _packed_ok(x: Tensor, w: Tensor, scales: Tensor, dtype: torch.dtype) -> bool:
+    N, K = scales.numel(), x.shape[-1]
+    return (w.dtype == dtype and w.is_cpu and w.is_contiguous() and K > 0
+            and tuple(w.shape) == (-(-N // 16), -(-K // 2), 16, 2))
+
+
 def linear_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x ``(..., K)`` · (qweight ``(N, K)`` int8 · scales ``(N,)``)ᵀ + bias (twin
-    ``twins.linear_q8``), any number of rows: the C++ kernel (``lowp.cpp``) quantizes each row
-    of x to int16 with its own scale and sums exactly in integers, so a row's result is the same
-    at any batch size and on any instruction set (``lowp_info()``)."""
+    """x ``(..., K)`` · (qweight · scales ``(N,)``)ᵀ + bias (twin ``twins.linear_q8``; qweight
+    int8 in ``twins.pack_pairs``' layout), any number of rows: the C++ kernel (``lowp.cpp``)
+    quantizes each row of x to int16 with its own scale and sums exactly in integers, so a row's
+    result is the same at any batch size and on any instruction set (``lowp_info()``)."""
     m = ops()
-    if (m is None or not _f32_cpu(x, scales, bias) or qweight.dtype != torch.int8
-            or not qweight.is_cpu or not qweight.is_contiguous() or x.shape[-1] == 0):
+    if m is None or not _f32_cpu(x, scales, bias) or not _packed_ok(x, qweight, scales,
+                                                                    torch.int8):
         return twins.linear_q8(x, qweight, scales, bias)
     y = m.q8_linear(_rows(x), qweight, scales.contiguous(), bias)
-    return y.view(*x.shape[:-1], qweight.shape[0])
+    return y.view(*x.shape[:-1], scales.numel())
 
 
-def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x ``(..., K)`` float32 · weight ``(N, K)`` bfloat16ᵀ + bias with float32 sums (twin
-    ``twins.linear_bf16``), any number of rows: AVX512-BF16's dot product (x rounded to bfloat16)
-    where the CPU has it, else the exact float32 x by FMA; a row's result does not depend on the
-    batch size."""
+def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None
+                ) -> Tensor:
+    """x ``(..., K)`` float32 · (weight · scales ``(N,)``)ᵀ + bias with float32 sums (twin
+    ``twins.linear_bf16``; weight bfloat16 in ``twins.pack_pairs``' layout), any number of rows:
+    AVX512-BF16's dot product (x rounded to bfloat16) where the CPU has it, else the exact
+    float32 x by FMA; a row's result does not depend on the batch size."""
     m = ops()
-    if (m is None or not _f32_cpu(x, bias) or weight.dtype != torch.bfloat16 or not weight.is_cpu
-            or not weight.is_contiguous() or x.shape[-1] == 0):
-        return twins.linear_bf16(x, weight, bias)
-    y = m.bf16_linear(_rows(x), weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    if m is None or not _f32_cpu(x, scales, bias) or not _packed_ok(x, weight, scales,
+                                                                    torch.bfloat16):
+        return twins.linear_bf16(x, weight, scales, bias)
+    y = m.bf16_linear(_rows(x), weight, scales.contiguous(), bias)
+    return y.view(*x.shape[:-1], scales.numel())
 
 
 def lowp_info() -> dict[str, object]:

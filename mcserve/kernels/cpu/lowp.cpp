@@ -3,21 +3,25 @@
 //
 // A decode step reads every weight once per token: at a few rows it is bound by the bytes of
 // weights read, so int8 weights (a quarter of float32's bytes) and bfloat16 weights (half) make
-// it faster, provided the arithmetic keeps up. Each kernel streams the weight rows once per
-// group of up to 8 input rows and keeps the partial sums of a tile of weight rows × input rows
-// in registers.
+// it faster, provided the arithmetic keeps up at 8-16 rows too.
+//
+// Layout (pack_pairs in twins.py): the weight (N, K) in blocks of 16 output rows, each block
+// k-pair by k-pair: P[N/16][K/2][16][2] (zero-padded). One vector load gives 16 outputs × 2
+// values of k, which the dot-product instructions multiply by a broadcast pair of x: the 16
+// lanes of an accumulator are 16 outputs, so no horizontal sums, each block's weights are one
+// sequential stream, and an input row costs a 4-byte broadcast per step. A tile is R blocks × NB
+// input rows of accumulators; each output is one chain of additions over k whatever the tile,
+// so a row gives the same result at any batch size.
 //
 // int8: per-output-channel scales sw; each input row is quantized to int16 with its own scale sx
-// (|code| <= q8_xmax(K), which no int32 lane can overflow), and the dot products are exact
-// integer sums: AVX-512 VNNI's vpdpwssd (int16 × int16 pairs into int32), or AVX-512BW / AVX2
-// vpmaddwd + vpaddd, or a scalar loop. y = (double) sum · (sx · sw) + bias, rounded to float.
-// Integer sums do not depend on the order of addition, so every implementation and every batch
-// size give bit-identical rows (greedy decoding is batch-invariant by construction).
+// (|code| <= q8_xmax(K): every partial sum fits in int32), and the dot products are exact
+// integer sums: AVX-512 VNNI's vpdpwssd (int16 pairs into int32), or AVX-512BW / AVX2 vpmaddwd +
+// vpaddd, or a scalar loop. y = (double) sum · (sx · sw) + bias, rounded to float. Every
+// implementation and every batch size give bit-identical rows.
 //
 // bfloat16: AVX512-BF16's vdpbf16ps (x rounded to bfloat16, products exact, float32 sums), or
-// the weights widened to float32 (a 16-bit shift) and multiplied with the float32 x by FMA
-// (AVX-512F, AVX2) or a scalar loop. Every output has one accumulator vector and one order of
-// additions whatever the tile, so a row gives the same result at any batch size.
+// the weights widened to float32 (16-bit shifts) and multiplied with the float32 x by FMA
+// (AVX-512F, AVX2), or a scalar loop; y = sum · s + bias (s is 1 for plain bfloat16 weights).
 //
 // Portability: the vector code is compiled per instruction set with target attributes, whatever
 // -march the file is built with, and chosen at run time from what the CPU reports
@@ -98,14 +102,13 @@ inline int32_t q8_xmax(int64_t K) {
       std::min<int64_t>(32767, 2147483647LL / (127 * std::max<int64_t>(K, 1))));
 }
 
-// x (B, K) → xq (B, Kp) int16 (zero-padded to Kp) and sx (B,) with x ≈ sx · xq; an all-zero row
+// x (B, K) → xq (B, Kx) int16 (zero-padded to Kx) and sx (B,) with x ≈ sx · xq; an all-zero row
 // gets sx = 0, a row holding inf or NaN gets sx = NaN (its outputs are NaN)
-void quantize_rows(const float* x, int64_t B, int64_t K, int16_t* xq, int64_t Kp, float* sx) {
-  const int32_t qm = q8_xmax(K);
-  const float fqm = static_cast<float>(qm);
+void quantize_rows(const float* x, int64_t B, int64_t K, int16_t* xq, int64_t Kx, float* sx) {
+  const float fqm = static_cast<float>(q8_xmax(K));
   for (int64_t b = 0; b < B; ++b) {
     const float* r = x + b * K;
-    int16_t* q = xq + b * Kp;
+    int16_t* q = xq + b * Kx;
     float amax = 0.f;
     bool finite = true;
     for (int64_t k = 0; k < K; ++k) {
@@ -114,7 +117,7 @@ void quantize_rows(const float* x, int64_t B, int64_t K, int16_t* xq, int64_t Kp
       amax = a > amax ? a : amax;
     }
     if (!finite || amax == 0.f) {
-      std::memset(q, 0, sizeof(int16_t) * Kp);
+      std::memset(q, 0, sizeof(int16_t) * Kx);
       sx[b] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
       continue;
     }
@@ -124,160 +127,123 @@ void quantize_rows(const float* x, int64_t B, int64_t K, int16_t* xq, int64_t Kp
       v = std::min(std::max(v, -fqm), fqm);
       q[k] = static_cast<int16_t>(v);
     }
-    for (int64_t k = K; k < Kp; ++k) q[k] = 0;
+    for (int64_t k = K; k < Kx; ++k) q[k] = 0;
     sx[b] = amax / fqm;
   }
 }
 
-// A tile: one weight row w (K values) × NB input rows (row stride Kx), sums into out[b]. The
-// weight row is read front to back once per tile (a sequential stream: tiles that read several
-// weight rows side by side streamed from DRAM at a third of the rate). Two accumulators per
-// output take alternate steps of k (two dependency chains at NB = 1) and are added at the end:
-// the same additions for an output whatever NB is, so a row's result does not depend on the
-// batch (bfloat16; the int8 sums are exact anyway).
+inline int32_t pair_of(const int16_t* p) {  // two int16 as one int32 lane (little-endian)
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+constexpr int kL = 16;  // outputs per block
+
+// A tile: R blocks of packed weights (P: the first block, KP pair-steps each) × NB input rows
+// (stride Kx), sums into out[(r * NB + b) * 16 + lane]. Tile shapes per implementation: kMaxNB
+// input rows at most, R(nb) blocks (registers: R · NB accumulators and the broadcasts).
 struct Q8Scalar {
   static constexpr int kMaxNB = 8;
-  template <int NB>
-  __attribute__((noinline)) static void tile(const int8_t* w, int64_t K, const int16_t* xq,
-                                             int64_t Kp, int32_t* out) {
-    for (int b = 0; b < NB; ++b) {
-      int64_t s = 0;
-      const int16_t* xr = xq + b * Kp;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(w[k]) * xr[k];
-      out[b] = static_cast<int32_t>(s);  // exact: fits (q8_xmax)
-    }
+  static constexpr int R(int) { return 1; }
+  template <int R, int NB>
+  __attribute__((noinline)) static void tile(const int8_t* P, int64_t KP, const int16_t* xq,
+                                             int64_t Kx, int32_t* out) {
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        for (int l = 0; l < kL; ++l) {
+          int32_t s = 0;  // exact: every partial sum fits (q8_xmax)
+          const int8_t* w = P + r * KP * 2 * kL + 2 * l;
+          const int16_t* x = xq + b * Kx;
+          for (int64_t kp = 0; kp < KP; ++kp)
+            s += w[kp * 2 * kL] * x[2 * kp] + w[kp * 2 * kL + 1] * x[2 * kp + 1];
+          out[(r * NB + b) * kL + l] = s;
+        }
   }
 };
 
 #ifdef MCSERVE_X86
 #define MC_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
 
-// The sums of four accumulators, one per lane of the result: the same tree of additions for
-// each whatever the other three hold, so an output does not depend on the tile it was part of.
-// int32 sums wrap, which is exact here (every partial sum fits: q8_xmax).
-__attribute__((target(MC_AVX512))) inline __m128i hsum4(__m512i a, __m512i b, __m512i c,
-                                                        __m512i d) {
-  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-  // each 128-bit block now holds [a, b, c, d] partial sums
-  const __m512i s =
-      _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
+// The AVX-512 tile body: W(r, kp) is block r's 16 × 2 weights at step kp as a vector, X(b, kp)
+// input row b's broadcast pair, DOT(acc, w, x) accumulates (VA: accumulators, VI: the integer
+// vectors of w and x); acc[r][b] is stored at the end.
+#define MC_TILE512(VA, VI, ZERO, W, X, DOT, STORE)                                \
+  VA acc[R][NB];                                                                  \
+  for (int r = 0; r < R; ++r)                                                     \
+    for (int b = 0; b < NB; ++b) acc[r][b] = ZERO;                                \
+  for (int64_t kp = 0; kp < KP; ++kp) {                                           \
+    VI xb[NB];                                                                    \
+    for (int b = 0; b < NB; ++b) xb[b] = X(b, kp);                                \
+    for (int r = 0; r < R; ++r) {                                                 \
+      const VI w = W(r, kp);                                                      \
+      for (int b = 0; b < NB; ++b) acc[r][b] = DOT(acc[r][b], w, xb[b]);          \
+    }                                                                             \
+  }                                                                               \
+  for (int r = 0; r < R; ++r)                                                     \
+    for (int b = 0; b < NB; ++b) STORE(out + (r * NB + b) * kL, acc[r][b]);
 
-__attribute__((target(MC_AVX512))) inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 s = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-__attribute__((target("avx2,fma"))) inline __m128i hsum4(__m256i a, __m256i b, __m256i c,
-                                                        __m256i d) {
-  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
-
-__attribute__((target("avx2,fma"))) inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-// The body of a vector tile. Per step of STEP values of k: W(k) loads the weight vector,
-// X(b, k) input row b's; MASKED variants take the last K % STEP values (lanes beyond K zero).
-// acc[b][0] takes the even steps, acc[b][1] the odd ones. Then out[b] = hsum(acc[b][0] + [1]).
-#define MC_TILE_BODY(V, ZERO, STEP, W, WTAIL, X, XTAIL, DOT, ADD, T, STORE4)                \
-  V acc[NB][2];                                                                               \
-  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = ZERO;                                  \
-  int64_t k = 0;                                                                              \
-  for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                  \
-    const V w0 = W(k), w1 = W(k + STEP);                                                      \
-    for (int b = 0; b < NB; ++b) {                                                            \
-      acc[b][0] = DOT(acc[b][0], w0, X(b, k));                                                \
-      acc[b][1] = DOT(acc[b][1], w1, X(b, k + STEP));                                         \
-    }                                                                                         \
-  }                                                                                           \
-  /* constant indices only: a variable one would keep acc in memory instead of registers */  \
-  if (k + STEP <= K) {                                                                        \
-    const V w0 = W(k);                                                                        \
-    for (int b = 0; b < NB; ++b) acc[b][0] = DOT(acc[b][0], w0, X(b, k));                     \
-    k += STEP;                                                                                \
-    if (k < K) {                                                                              \
-      const V w1 = WTAIL(k);                                                                  \
-      for (int b = 0; b < NB; ++b) acc[b][1] = DOT(acc[b][1], w1, XTAIL(b, k));               \
-    }                                                                                         \
-  } else if (k < K) {                                                                         \
-    const V w0 = WTAIL(k);                                                                    \
-    for (int b = 0; b < NB; ++b) acc[b][0] = DOT(acc[b][0], w0, XTAIL(b, k));                 \
-  }                                                                                           \
-  for (int b = 0; b < NB; b += 4) {                                                           \
-    const V s0 = ADD(acc[b][0], acc[b][1]);                                                   \
-    const V s1 = b + 1 < NB ? ADD(acc[b + 1][0], acc[b + 1][1]) : ZERO;                       \
-    const V s2 = b + 2 < NB ? ADD(acc[b + 2][0], acc[b + 2][1]) : ZERO;                       \
-    const V s3 = b + 3 < NB ? ADD(acc[b + 3][0], acc[b + 3][1]) : ZERO;                       \
-    alignas(16) T lanes[4];                                                                   \
-    STORE4(lanes, hsum4(s0, s1, s2, s3));                                                     \
-    for (int j = 0; j < 4 && b + j < NB; ++j) out[b + j] = lanes[j];                          \
-  }
-
-#define MC_STORE_I(p, v) _mm_store_si128(reinterpret_cast<__m128i*>(p), v)
-// int8 on AVX-512: 32 weights per step widened to int16 (the tail masked; xq is zero-padded)
-#define MC_Q8_W512(k) \
-  _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k))))
-#define MC_Q8_W512T(k) \
-  _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << (K - (k))) - 1), \
-                                               w + (k)))
-#define MC_Q8_X512(b, k) _mm512_loadu_si512(xq + (b) * Kp + (k))
+#define MC_Q8_W(r, kp)       \
+  _mm512_cvtepi8_epi16(      \
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + ((r) * KP + (kp)) * 2 * kL)))
+#define MC_PAIR_X(b, kp) _mm512_set1_epi32(pair_of(xq + (b) * Kx + 2 * (kp)))
+#define MC_STORE_I(p, v) _mm512_storeu_si512(p, v)
 
 struct Q8Vnni {
   static constexpr int kMaxNB = 8;
-  template <int NB>
+  static constexpr int R(int nb) { return nb >= 8 ? 2 : 4; }
+  template <int R, int NB>
   __attribute__((target(MC_AVX512 ",avx512vnni"), noinline)) static void tile(
-      const int8_t* w, int64_t K, const int16_t* xq, int64_t Kp, int32_t* out) {
-#define MC_DOT(a, x, y) _mm512_dpwssd_epi32(a, x, y)
-    MC_TILE_BODY(__m512i, _mm512_setzero_si512(), 32, MC_Q8_W512, MC_Q8_W512T, MC_Q8_X512,
-                 MC_Q8_X512, MC_DOT, _mm512_add_epi32, int32_t, MC_STORE_I)
+      const int8_t* P, int64_t KP, const int16_t* xq, int64_t Kx, int32_t* out) {
+#define MC_DOT(a, w, x) _mm512_dpwssd_epi32(a, w, x)
+    MC_TILE512(__m512i, __m512i, _mm512_setzero_si512(), MC_Q8_W, MC_PAIR_X, MC_DOT, MC_STORE_I)
 #undef MC_DOT
   }
 };
 
 struct Q8Avx512 {
   static constexpr int kMaxNB = 8;
-  template <int NB>
+  static constexpr int R(int nb) { return nb >= 8 ? 2 : 4; }
+  template <int R, int NB>
   __attribute__((target(MC_AVX512), noinline)) static void tile(
-      const int8_t* w, int64_t K, const int16_t* xq, int64_t Kp, int32_t* out) {
-#define MC_DOT(a, x, y) _mm512_add_epi32(a, _mm512_madd_epi16(x, y))
-    MC_TILE_BODY(__m512i, _mm512_setzero_si512(), 32, MC_Q8_W512, MC_Q8_W512T, MC_Q8_X512,
-                 MC_Q8_X512, MC_DOT, _mm512_add_epi32, int32_t, MC_STORE_I)
+      const int8_t* P, int64_t KP, const int16_t* xq, int64_t Kx, int32_t* out) {
+#define MC_DOT(a, w, x) _mm512_add_epi32(a, _mm512_madd_epi16(w, x))
+    MC_TILE512(__m512i, __m512i, _mm512_setzero_si512(), MC_Q8_W, MC_PAIR_X, MC_DOT, MC_STORE_I)
 #undef MC_DOT
   }
 };
 
-// int8 on AVX2: 16 weights per step; no masked byte loads, so the tail is scalar (exact)
+// AVX2: a block is two 8-lane halves
 struct Q8Avx2 {
-  static constexpr int kMaxNB = 4;  // 16 ymm registers
-  template <int NB>
+  static constexpr int kMaxNB = 4;
+  static constexpr int R(int nb) { return nb >= 4 ? 1 : nb >= 2 ? 2 : 4; }
+  template <int R, int NB>
   __attribute__((target("avx2,fma"), noinline)) static void tile(
-      const int8_t* w, int64_t K, const int16_t* xq, int64_t Kp, int32_t* out) {
-    const int64_t Kv = K / 16 * 16;
-    {
-      const int64_t K = Kv;  // the vector part
-#define MC_W(k) _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k))))
-#define MC_X(b, k) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b) * Kp + (k)))
-#define MC_DOT(a, x, y) _mm256_add_epi32(a, _mm256_madd_epi16(x, y))
-      MC_TILE_BODY(__m256i, _mm256_setzero_si256(), 16, MC_W, MC_W, MC_X, MC_X, MC_DOT,
-                   _mm256_add_epi32, int32_t, MC_STORE_I)
-#undef MC_W
-#undef MC_X
-#undef MC_DOT
+      const int8_t* P, int64_t KP, const int16_t* xq, int64_t Kx, int32_t* out) {
+    __m256i acc[R][NB][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_si256();
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      __m256i xb[NB];
+      for (int b = 0; b < NB; ++b) xb[b] = _mm256_set1_epi32(pair_of(xq + b * Kx + 2 * kp));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* p = P + (r * KP + kp) * 2 * kL;
+        const __m256i lo =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i hi =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kL)));
+        for (int b = 0; b < NB; ++b) {
+          acc[r][b][0] = _mm256_add_epi32(acc[r][b][0], _mm256_madd_epi16(lo, xb[b]));
+          acc[r][b][1] = _mm256_add_epi32(acc[r][b][1], _mm256_madd_epi16(hi, xb[b]));
+        }
+      }
     }
-    for (int b = 0; b < NB; ++b)
-      for (int64_t j = Kv; j < K; ++j) out[b] += static_cast<int32_t>(w[j]) * xq[b * Kp + j];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) {
+        int32_t* o = out + (r * NB + b) * kL;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), acc[r][b][0]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 8), acc[r][b][1]);
+      }
   }
 };
 #endif  // MCSERVE_X86
@@ -290,185 +256,187 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
-// A tile as above: one bfloat16 weight row × NB input rows (X: float32 with stride Kx, or the
-// bfloat16 copy for the dot-product kernel), float32 sums into out[b]
+// A tile as above on bfloat16 blocks; x: float32 rows of stride Kx (even, zero-padded), or the
+// bfloat16 copy for the dot-product kernel
 struct BfScalar {
   static constexpr int kMaxNB = 8;
+  static constexpr int R(int) { return 1; }
   using X = float;
-  template <int NB>
-  __attribute__((noinline)) static void tile(const uint16_t* w, int64_t K, const float* x,
+  template <int R, int NB>
+  __attribute__((noinline)) static void tile(const uint16_t* P, int64_t KP, const float* x,
                                              int64_t Kx, float* out) {
-    for (int b = 0; b < NB; ++b) {
-      float s = 0.f;
-      const float* xr = x + b * Kx;
-      for (int64_t k = 0; k < K; ++k) s += bf16_to_float(w[k]) * xr[k];
-      out[b] = s;
-    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        for (int l = 0; l < kL; ++l) {
+          float s = 0.f;
+          const uint16_t* w = P + r * KP * 2 * kL + 2 * l;
+          const float* xr = x + b * Kx;
+          for (int64_t kp = 0; kp < KP; ++kp) {
+            s += bf16_to_float(w[kp * 2 * kL]) * xr[2 * kp];
+            s += bf16_to_float(w[kp * 2 * kL + 1]) * xr[2 * kp + 1];
+          }
+          out[(r * NB + b) * kL + l] = s;
+        }
   }
 };
 
 #ifdef MCSERVE_X86
-struct BfAvx2 {
-  static constexpr int kMaxNB = 4;
+// FMA: the even-k weight of each pair is the low 16 bits of a 32-bit lane, the odd-k the high
+struct BfAvx512 {
+  static constexpr int kMaxNB = 8;
+  static constexpr int R(int nb) { return nb >= 8 ? 1 : nb >= 4 ? 2 : 4; }
   using X = float;
-  template <int NB>
-  __attribute__((target("avx2,fma"), noinline)) static void tile(
-      const uint16_t* w, int64_t K, const float* x, int64_t Kx, float* out) {
-    const int64_t Kv = K / 8 * 8;
-    {
-      const int64_t K = Kv;  // the vector part
-#define MC_W(k)                                                                    \
-  _mm256_castsi256_ps(_mm256_slli_epi32(                                           \
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k)))), 16))
-#define MC_X(b, k) _mm256_loadu_ps(x + (b) * Kx + (k))
-#define MC_DOT(a, p, q) _mm256_fmadd_ps(p, q, a)
-      MC_TILE_BODY(__m256, _mm256_setzero_ps(), 8, MC_W, MC_W, MC_X, MC_X, MC_DOT, _mm256_add_ps,
-                   float, _mm_store_ps)
-#undef MC_W
-#undef MC_X
-#undef MC_DOT
+  template <int R, int NB>
+  __attribute__((target(MC_AVX512), noinline)) static void tile(
+      const uint16_t* P, int64_t KP, const float* x, int64_t Kx, float* out) {
+    __m512 acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_loadu_si512(P + (r * KP + kp) * 2 * kL);
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+        for (int b = 0; b < NB; ++b) {
+          acc[r][b] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[b * Kx + 2 * kp]), acc[r][b]);
+          acc[r][b] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[b * Kx + 2 * kp + 1]), acc[r][b]);
+        }
+      }
     }
-    for (int b = 0; b < NB; ++b)
-      for (int64_t j = Kv; j < K; ++j) out[b] += bf16_to_float(w[j]) * x[b * Kx + j];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (r * NB + b) * kL, acc[r][b]);
   }
 };
 
-__attribute__((target(MC_AVX512))) inline __m512 widen_bf16(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-struct BfAvx512 {
-  static constexpr int kMaxNB = 8;
+struct BfAvx2 {  // 16 ymm registers: 8 accumulators, 4 weight halves, 2 broadcasts, the mask
+  static constexpr int kMaxNB = 4;
+  static constexpr int R(int nb) { return nb >= 2 ? 1 : 2; }
   using X = float;
-  template <int NB>
-  __attribute__((target(MC_AVX512), noinline)) static void tile(
-      const uint16_t* w, int64_t K, const float* x, int64_t Kx, float* out) {
-#define MC_M16(k) static_cast<__mmask16>((1u << (K - (k))) - 1)
-#define MC_W(k) widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k))))
-#define MC_WT(k) widen_bf16(_mm256_maskz_loadu_epi16(MC_M16(k), w + (k)))
-#define MC_X(b, k) _mm512_loadu_ps(x + (b) * Kx + (k))
-#define MC_XT(b, k) _mm512_maskz_loadu_ps(MC_M16(k), x + (b) * Kx + (k))
-#define MC_DOT(a, p, q) _mm512_fmadd_ps(p, q, a)
-    MC_TILE_BODY(__m512, _mm512_setzero_ps(), 16, MC_W, MC_WT, MC_X, MC_XT, MC_DOT,
-                 _mm512_add_ps, float, _mm_store_ps)
-#undef MC_M16
-#undef MC_W
-#undef MC_WT
-#undef MC_X
-#undef MC_XT
-#undef MC_DOT
+  template <int R, int NB>
+  __attribute__((target("avx2,fma"), noinline)) static void tile(
+      const uint16_t* P, int64_t KP, const float* x, int64_t Kx, float* out) {
+    __m256 acc[R][NB][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      for (int r = 0; r < R; ++r) {
+        __m256 we[2], wo[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(P + (r * KP + kp) * 2 * kL + h * kL));
+          we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+        }
+        for (int b = 0; b < NB; ++b) {
+          const __m256 xe = _mm256_broadcast_ss(x + b * Kx + 2 * kp);
+          const __m256 xo = _mm256_broadcast_ss(x + b * Kx + 2 * kp + 1);
+          for (int h = 0; h < 2; ++h) {
+            acc[r][b][h] = _mm256_fmadd_ps(we[h], xe, acc[r][b][h]);
+            acc[r][b][h] = _mm256_fmadd_ps(wo[h], xo, acc[r][b][h]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_ps(out + (r * NB + b) * kL + 8 * h, acc[r][b][h]);
   }
 };
 
 #ifdef MCSERVE_BF16_DP
-// vdpbf16ps: x rounded to bfloat16 (a zero-padded copy of stride Kx, a multiple of 32)
+// vdpbf16ps: x rounded to bfloat16 (a zero-padded copy of stride Kx)
 struct BfDot {
   static constexpr int kMaxNB = 8;
+  static constexpr int R(int nb) { return nb >= 8 ? 2 : 4; }
   using X = uint16_t;
-  template <int NB>
+  template <int R, int NB>
   __attribute__((target(MC_AVX512 ",avx512bf16"), noinline)) static void tile(
-      const uint16_t* w, int64_t K, const uint16_t* x, int64_t Kx, float* out) {
-#define MC_W(k) _mm512_loadu_si512(w + (k))
-#define MC_WT(k) \
-  _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << (K - (k))) - 1), w + (k))
-#define MC_X(b, k) _mm512_loadu_si512(x + (b) * Kx + (k))
-#define MC_DOT(a, p, q) _mm512_dpbf16_ps(a, (__m512bh)(p), (__m512bh)(q))
-    using V = __m512i;
-    __m512 acc[NB][2];
-    for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-      const V w0 = MC_W(k), w1 = MC_W(k + 32);
-      for (int b = 0; b < NB; ++b) {
-        acc[b][0] = MC_DOT(acc[b][0], w0, MC_X(b, k));
-        acc[b][1] = MC_DOT(acc[b][1], w1, MC_X(b, k + 32));
-      }
-    }
-    if (k + 32 <= K) {  // constant indices only (see MC_TILE_BODY)
-      const V w0 = MC_W(k);
-      for (int b = 0; b < NB; ++b) acc[b][0] = MC_DOT(acc[b][0], w0, MC_X(b, k));
-      k += 32;
-      if (k < K) {
-        const V w1 = MC_WT(k);
-        for (int b = 0; b < NB; ++b) acc[b][1] = MC_DOT(acc[b][1], w1, MC_X(b, k));
-      }
-    } else if (k < K) {
-      const V w0 = MC_WT(k);
-      for (int b = 0; b < NB; ++b) acc[b][0] = MC_DOT(acc[b][0], w0, MC_X(b, k));
-    }
+      const uint16_t* P, int64_t KP, const uint16_t* x, int64_t Kx, float* out) {
+    const int16_t* xq = reinterpret_cast<const int16_t*>(x);
+#define MC_W(r, kp) _mm512_loadu_si512(P + ((r) * KP + (kp)) * 2 * kL)
+#define MC_DOT(a, w, xv) _mm512_dpbf16_ps(a, (__m512bh)(w), (__m512bh)(xv))
+    MC_TILE512(__m512, __m512i, _mm512_setzero_ps(), MC_W, MC_PAIR_X, MC_DOT, _mm512_storeu_ps)
 #undef MC_W
-#undef MC_WT
-#undef MC_X
 #undef MC_DOT
-    for (int b = 0; b < NB; b += 4) {
-      const __m512 z = _mm512_setzero_ps();
-      const __m512 s0 = _mm512_add_ps(acc[b][0], acc[b][1]);
-      const __m512 s1 = b + 1 < NB ? _mm512_add_ps(acc[b + 1][0], acc[b + 1][1]) : z;
-      const __m512 s2 = b + 2 < NB ? _mm512_add_ps(acc[b + 2][0], acc[b + 2][1]) : z;
-      const __m512 s3 = b + 3 < NB ? _mm512_add_ps(acc[b + 3][0], acc[b + 3][1]) : z;
-      alignas(16) float lanes[4];
-      _mm_store_ps(lanes, hsum4(s0, s1, s2, s3));
-      for (int j = 0; j < 4 && b + j < NB; ++j) out[b + j] = lanes[j];
-    }
   }
 };
 #endif  // MCSERVE_BF16_DP
 #endif  // MCSERVE_X86
 
 // ------------------------------------------------------------------------ driver
-// weight rows per parallel task unit
-constexpr int64_t kR = 4;
 // at least this many bytes of weights per parallel task: fewer cost more in threads than saved
 constexpr int64_t kGrainBytes = 64 << 10;
-// input rows per pass over the weights: their copy (~256 KiB) stays in L2 while the weights
-// stream past, at large row counts (prefill)
-inline int64_t chunk_rows(int64_t row_bytes, int64_t B) {
-  const int64_t c = std::max<int64_t>(8, (256 << 10) / std::max<int64_t>(1, row_bytes) / 8 * 8);
-  return std::min(B, c);
-}
+constexpr int64_t kUnit = 4;  // blocks per parallel task unit
 
 // the input rows a tile takes from `left` rows: kMaxNB, 4, 2 or 1
 template <class Impl>
-inline int64_t tile_rows(int64_t left) {
+inline int tile_rows(int64_t left) {
   return left >= Impl::kMaxNB ? Impl::kMaxNB : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-template <class Impl, class W, class X, class Acc>
-inline void run_tile(int64_t nb, const W* w, int64_t K, const X* x, int64_t Kx, Acc* out) {
-  switch (nb) {
-    case 8:
-      if constexpr (Impl::kMaxNB >= 8) Impl::template tile<8>(w, K, x, Kx, out);
-      return;
-    case 4: Impl::template tile<4>(w, K, x, Kx, out); return;
-    case 2: Impl::template tile<2>(w, K, x, Kx, out); return;
-    default: Impl::template tile<1>(w, K, x, Kx, out); return;
+template <class Impl, int NB, class W, class X, class Acc>
+inline int run_nb(int64_t left_blocks, const W* P, int64_t KP, const X* x, int64_t Kx,
+                  Acc* out) {
+  constexpr int R = Impl::R(NB);
+  if (R > 1 && left_blocks >= R) {
+    Impl::template tile<R, NB>(P, KP, x, Kx, out);
+    return R;
   }
+  Impl::template tile<1, NB>(P, KP, x, Kx, out);
+  return 1;
 }
 
-// y (B, N) from weight rows W (N, K) and inputs x (B, Kx): epi(acc, b, n) stores an output.
-// Loops, outermost first: a thread's range of weight rows; chunks of input rows (stay in L2);
-// groups of weight rows (~256 KiB, read from memory once per chunk, then from L2); tiles of
-// input rows (stay in L1); the group's rows, each streamed once per tile. The order of the
-// additions inside an output is the tile's alone.
+// the tile of nb input rows over blocks P .. (as many as the shape takes, at most left_blocks):
+// returns how many blocks it covered
+template <class Impl, class W, class X, class Acc>
+inline int run_tile(int nb, int64_t left_blocks, const W* P, int64_t KP, const X* x, int64_t Kx,
+                    Acc* out) {
+  switch (nb) {
+    case 8:
+      if constexpr (Impl::kMaxNB >= 8) return run_nb<Impl, 8>(left_blocks, P, KP, x, Kx, out);
+      break;
+    case 4:
+      if constexpr (Impl::kMaxNB >= 4) return run_nb<Impl, 4>(left_blocks, P, KP, x, Kx, out);
+      break;
+    case 2: return run_nb<Impl, 2>(left_blocks, P, KP, x, Kx, out);
+    default: break;
+  }
+  return run_nb<Impl, 1>(left_blocks, P, KP, x, Kx, out);
+}
+
+// y from packed weights P (NBk blocks of KP pair-steps) and inputs x (B rows of stride Kx):
+// epi(out, block, blocks, row, rows) stores a tile's outputs. Loops, outermost first: a thread's
+// range of blocks; chunks of input rows (~256 KiB, stay in L2); groups of blocks (~256 KiB of
+// weights, read from memory once per chunk, then from L2); tiles of input rows (stay in L1); the
+// group's blocks, each streamed once per tile.
 template <class Impl, class W, class X, class Acc, class Epi>
-void drive(const W* Wp, int64_t N, int64_t K, int64_t w_bytes, const X* x, int64_t Kx, int64_t B,
+void drive(const W* P, int64_t NBk, int64_t KP, const X* x, int64_t Kx, int64_t B,
            const Epi& epi) {
-  const int64_t blocks = (N + kR - 1) / kR;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, w_bytes * kR));
-  const int64_t chunk = chunk_rows(Kx * static_cast<int64_t>(sizeof(X)), B);
-  const int64_t group = std::max<int64_t>(kR, (256 << 10) / std::max<int64_t>(1, w_bytes));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    Acc acc[8];
-    const int64_t n_end = std::min(N, b1 * kR);
+  const int64_t blk_bytes = KP * 2 * kL * static_cast<int64_t>(sizeof(W));
+  const int64_t units = (NBk + kUnit - 1) / kUnit;
+  const int64_t grain =
+      std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, blk_bytes * kUnit));
+  const int64_t row_bytes = Kx * static_cast<int64_t>(sizeof(X));
+  const int64_t chunk =
+      std::min(B, std::max<int64_t>(8, (256 << 10) / std::max<int64_t>(1, row_bytes) / 8 * 8));
+  const int64_t group = std::max<int64_t>(kUnit, (256 << 10) / std::max<int64_t>(1, blk_bytes));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    alignas(64) Acc out[4 * 8 * kL];
+    const int64_t j_end = std::min(NBk, u1 * kUnit);
     for (int64_t c0 = 0; c0 < B; c0 += chunk) {
       const int64_t c1 = std::min(B, c0 + chunk);
-      for (int64_t g0 = b0 * kR; g0 < n_end; g0 += group) {
-        const int64_t g1 = std::min(n_end, g0 + group);
+      for (int64_t g0 = u0 * kUnit; g0 < j_end; g0 += group) {
+        const int64_t g1 = std::min(j_end, g0 + group);
         for (int64_t r0 = c0; r0 < c1;) {
-          const int64_t nb = tile_rows<Impl>(c1 - r0);
-          for (int64_t n = g0; n < g1; ++n) {
-            run_tile<Impl>(nb, Wp + n * K, K, x + r0 * Kx, Kx, acc);
-            for (int64_t b = 0; b < nb; ++b) epi(acc[b], r0 + b, n);
+          const int nb = tile_rows<Impl>(c1 - r0);
+          for (int64_t j = g0; j < g1;) {
+            const int nr =
+                run_tile<Impl>(nb, g1 - j, P + j * KP * 2 * kL, KP, x + r0 * Kx, Kx, out);
+            epi(out, j, nr, r0, nb);
+            j += nr;
           }
           r0 += nb;
         }
@@ -477,70 +445,106 @@ void drive(const W* Wp, int64_t N, int64_t K, int64_t w_bytes, const X* x, int64
   });
 }
 
-template <class Impl>
-void q8_drive(const int8_t* W, int64_t N, int64_t K, const int16_t* xq, int64_t Kp, int64_t B,
-              const float* sx, const float* sw, const float* bias, float* y) {
-  drive<Impl, int8_t, int16_t, int32_t>(W, N, K, K, xq, Kp, B, [&](int32_t acc, int64_t b,
-                                                                   int64_t n) {
-    const float s = sx[b] * sw[n];
-    const float v = static_cast<float>(static_cast<double>(acc) * s);
-    y[b * N + n] = bias ? v + bias[n] : v;
-  });
+// the outputs of a tile into y (B, N): f(acc, row, output)
+template <class Acc, class F>
+inline void store_tile(const Acc* out, int64_t j, int nr, int64_t r0, int nb, int64_t N,
+                       float* y, const F& f) {
+  for (int r = 0; r < nr; ++r)
+    for (int b = 0; b < nb; ++b) {
+      const int64_t n0 = (j + r) * kL;
+      const int64_t n1 = std::min<int64_t>(N, n0 + kL);
+      float* yr = y + (r0 + b) * N;
+      const Acc* o = out + (r * nb + b) * kL;
+      for (int64_t n = n0; n < n1; ++n) yr[n] = f(o[n - n0], r0 + b, n);
+    }
 }
 
 template <class Impl>
-void bf_drive(const uint16_t* W, int64_t N, int64_t K, const typename Impl::X* x, int64_t Kx,
-              int64_t B, const float* bias, float* y) {
-  drive<Impl, uint16_t, typename Impl::X, float>(W, N, K, 2 * K, x, Kx, B, [&](float acc,
-                                                                              int64_t b,
-                                                                              int64_t n) {
-    y[b * N + n] = bias ? acc + bias[n] : acc;
-  });
+void q8_drive(const int8_t* P, int64_t N, int64_t KP, const int16_t* xq, int64_t Kx, int64_t B,
+              const float* sx, const float* sw, const float* bias, float* y) {
+  const int64_t NBk = (N + kL - 1) / kL;
+  drive<Impl, int8_t, int16_t, int32_t>(
+      P, NBk, KP, xq, Kx, B, [&](const int32_t* out, int64_t j, int nr, int64_t r0, int nb) {
+        store_tile(out, j, nr, r0, nb, N, y, [&](int32_t acc, int64_t b, int64_t n) {
+          const float s = sx[b] * sw[n];
+          const float v = static_cast<float>(static_cast<double>(acc) * s);
+          return bias ? v + bias[n] : v;
+        });
+      });
+}
+
+template <class Impl>
+void bf_drive(const uint16_t* P, int64_t N, int64_t KP, const typename Impl::X* x, int64_t Kx,
+              int64_t B, const float* sw, const float* bias, float* y) {
+  const int64_t NBk = (N + kL - 1) / kL;
+  drive<Impl, uint16_t, typename Impl::X, float>(
+      P, NBk, KP, x, Kx, B, [&](const float* out, int64_t j, int nr, int64_t r0, int nb) {
+        store_tile(out, j, nr, r0, nb, N, y, [&](float acc, int64_t, int64_t n) {
+          const float v = acc * sw[n];
+          return bias ? v + bias[n] : v;
+        });
+      });
 }
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-void q8_raw(const float* x, int64_t B, int64_t K, const int8_t* W, int64_t N, const float* sw,
-            const float* bias, float* y, int impl) {
-  const int64_t Kp = round_up(std::max<int64_t>(K, 1), 32);
-  // 64-byte aligned rows (Kp is a multiple of 32 int16): no vector load splits a cache line
-  auto buf = torch::empty({B * Kp + 32}, torch::kInt16);
-  int16_t* xq = buf.data_ptr<int16_t>();
-  xq += ((64 - reinterpret_cast<uintptr_t>(xq) % 64) % 64) / sizeof(int16_t);
+// a zeroed scratch buffer of n elements of T, its start 64-byte aligned
+template <class T>
+T* scratch(torch::Tensor& holder, int64_t n) {
+  holder = torch::zeros({n * static_cast<int64_t>(sizeof(T)) + 64}, torch::kUInt8);
+  auto p = reinterpret_cast<uintptr_t>(holder.data_ptr());
+  return reinterpret_cast<T*>((p + 63) / 64 * 64);
+}
+
+void q8_raw(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, int64_t KP,
+            const float* sw, const float* bias, float* y, int impl) {
+  const int64_t Kx = round_up(2 * KP, 32);  // 64-byte rows
+  torch::Tensor buf;
+  int16_t* xq = scratch<int16_t>(buf, B * Kx);
   std::vector<float> sx(static_cast<size_t>(B));
-  quantize_rows(x, B, K, xq, Kp, sx.data());
+  quantize_rows(x, B, K, xq, Kx, sx.data());
   switch (impl) {
 #ifdef MCSERVE_X86
-    case 3: return q8_drive<Q8Vnni>(W, N, K, xq, Kp, B, sx.data(), sw, bias, y);
-    case 2: return q8_drive<Q8Avx512>(W, N, K, xq, Kp, B, sx.data(), sw, bias, y);
-    case 1: return q8_drive<Q8Avx2>(W, N, K, xq, Kp, B, sx.data(), sw, bias, y);
+    case 3: return q8_drive<Q8Vnni>(P, N, KP, xq, Kx, B, sx.data(), sw, bias, y);
+    case 2: return q8_drive<Q8Avx512>(P, N, KP, xq, Kx, B, sx.data(), sw, bias, y);
+    case 1: return q8_drive<Q8Avx2>(P, N, KP, xq, Kx, B, sx.data(), sw, bias, y);
 #endif
-    default: return q8_drive<Q8Scalar>(W, N, K, xq, Kp, B, sx.data(), sw, bias, y);
+    default: return q8_drive<Q8Scalar>(P, N, KP, xq, Kx, B, sx.data(), sw, bias, y);
   }
 }
 
-void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* W, int64_t N,
-            const float* bias, float* y, int impl) {
+void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, int64_t KP,
+            const float* sw, const float* bias, float* y, int impl) {
+  const int64_t Kx = round_up(2 * KP, 32);
+  torch::Tensor buf;
+#if defined(MCSERVE_X86) && defined(MCSERVE_BF16_DP)
+  if (impl == 3) {
+    uint16_t* xb = scratch<uint16_t>(buf, B * Kx);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t k = 0; k < K; ++k) xb[b * Kx + k] = c10::BFloat16(x[b * K + k]).x;
+    return bf_drive<BfDot>(P, N, KP, xb, Kx, B, sw, bias, y);
+  }
+#endif
+  float* xf = scratch<float>(buf, B * Kx);  // rows padded to whole pairs with zeros
+  for (int64_t b = 0; b < B; ++b) std::memcpy(xf + b * Kx, x + b * K, sizeof(float) * K);
   switch (impl) {
 #ifdef MCSERVE_X86
-#ifdef MCSERVE_BF16_DP
-    case 3: {
-      const int64_t Kp = round_up(std::max<int64_t>(K, 1), 32);
-      auto buf = torch::empty({B * Kp + 32}, torch::kInt16);
-      uint16_t* xb = reinterpret_cast<uint16_t*>(buf.data_ptr<int16_t>());
-      xb += ((64 - reinterpret_cast<uintptr_t>(xb) % 64) % 64) / sizeof(uint16_t);
-      for (int64_t b = 0; b < B; ++b) {
-        for (int64_t k = 0; k < K; ++k) xb[b * Kp + k] = c10::BFloat16(x[b * K + k]).x;
-        for (int64_t k = K; k < Kp; ++k) xb[b * Kp + k] = 0;
-      }
-      return bf_drive<BfDot>(W, N, K, xb, Kp, B, bias, y);
-    }
+    case 2: return bf_drive<BfAvx512>(P, N, KP, xf, Kx, B, sw, bias, y);
+    case 1: return bf_drive<BfAvx2>(P, N, KP, xf, Kx, B, sw, bias, y);
 #endif
-    case 2: return bf_drive<BfAvx512>(W, N, K, x, K, B, bias, y);
-    case 1: return bf_drive<BfAvx2>(W, N, K, x, K, B, bias, y);
-#endif
-    default: return bf_drive<BfScalar>(W, N, K, x, K, B, bias, y);
+    default: return bf_drive<BfScalar>(P, N, KP, xf, Kx, B, sw, bias, y);
   }
+}
+
+// (N, K) weights into the packed layout (the reference for the self-test; twins.pack_pairs)
+template <class T>
+std::vector<T> pack(const std::vector<T>& w, int64_t N, int64_t K) {
+  const int64_t NBk = (N + kL - 1) / kL, KP = (K + 1) / 2;
+  std::vector<T> p(static_cast<size_t>(NBk * KP * 2 * kL), T(0));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      p[((n / kL * KP + k / 2) * kL + n % kL) * 2 + k % 2] = w[n * K + k];
+  return p;
 }
 
 // ------------------------------------------------------------------------ self-test
@@ -551,7 +555,7 @@ void probe() {
   const Features f = detect();
   int q8 = f.vnni ? 3 : f.avx512 ? 2 : f.avx2 ? 1 : 0;
   int bf = f.bf16 ? 3 : f.avx512 ? 2 : f.avx2 ? 1 : 0;
-  const int64_t N = 11, K = 77, B = 13;
+  const int64_t N = 75, K = 77, B = 13, KP = (K + 1) / 2;
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   std::vector<float> x(B * K), sw(N), bias(N), want(B * N), got(B * N);
@@ -562,9 +566,11 @@ void probe() {
   for (auto& v : bias) v = u(gen);
   for (auto& v : q) v = static_cast<int8_t>(std::lrint(127 * u(gen)));
   for (auto& v : wb) v = c10::BFloat16(u(gen)).x;
-  q8_raw(x.data(), B, K, q.data(), N, sw.data(), bias.data(), want.data(), 0);
+  const auto qp = pack(q, N, K);
+  const auto bp = pack(wb, N, K);
+  q8_raw(x.data(), B, K, qp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
   for (int lvl = q8; lvl > 0; --lvl) {
-    q8_raw(x.data(), B, K, q.data(), N, sw.data(), bias.data(), got.data(), lvl);
+    q8_raw(x.data(), B, K, qp.data(), N, KP, sw.data(), bias.data(), got.data(), lvl);
     if (std::memcmp(got.data(), want.data(), sizeof(float) * got.size()) == 0) break;
     g_probe_note += "int8 level " + std::to_string(lvl) + " disagreed with the scalar kernel; ";
     q8 = lvl - 1;
@@ -575,8 +581,8 @@ void probe() {
     const bool rounds = lvl == 3;
     for (size_t i = 0; i < x.size(); ++i)
       xr[i] = rounds ? static_cast<float>(c10::BFloat16(x[i])) : x[i];
-    bf_raw(xr.data(), B, K, wb.data(), N, bias.data(), want.data(), 0);
-    bf_raw(x.data(), B, K, wb.data(), N, bias.data(), got.data(), lvl);
+    bf_raw(xr.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
+    bf_raw(x.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), got.data(), lvl);
     bool ok = true;
     for (size_t i = 0; i < got.size(); ++i)
       ok = ok && std::fabs(got[i] - want[i]) <= 1e-4f * (1.f + std::fabs(want[i]));
@@ -610,67 +616,71 @@ int pick(int64_t impl, int best, const char* what) {
 
 }  // namespace
 
+// the packed weight (NBk, KP, 16, 2) of N outputs (the scales' length) and K inputs
+void check_packed(const torch::Tensor& P, const torch::Tensor& scales, int64_t K,
+                  torch::ScalarType t, const char* what) {
+  TORCH_CHECK(P.device().is_cpu() && P.scalar_type() == t, what, ": the packed weight must be a ",
+              t, " CPU tensor, got ", P.scalar_type());
+  check_f32_2d(scales, "scales");
+  const int64_t N = scales.numel();
+  TORCH_CHECK(P.dim() == 4 && P.size(2) == kL && P.size(3) == 2 && P.size(0) == (N + kL - 1) / kL
+                  && P.size(1) == (K + 1) / 2 && P.is_contiguous() && scales.is_contiguous(),
+              what, ": a contiguous packed weight (ceil(N/16), ceil(K/2), 16, 2) = (",
+              (N + kL - 1) / kL, ", ", (K + 1) / 2, ", 16, 2) for N = ", N,
+              " (the scales' length) and K = ", K, " (x's width) expected, got ", P.sizes());
+}
+
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                         int64_t impl) {
   check_f32_2d(x, "x");
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kChar,
-              "q8_linear: qweight must be an int8 CPU tensor, got ", qweight.scalar_type());
-  check_f32_2d(scales, "scales");
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1),
-              "q8_linear: x (B, K) and qweight (N, K) expected, got ", x.sizes(), " and ",
-              qweight.sizes());
-  TORCH_CHECK(x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous(),
-              "q8_linear: contiguous x, qweight and scales expected");
-  const int64_t B = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(scales.numel() == N, "q8_linear: scales (", N, ",) expected, got ", scales.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "q8_linear: contiguous x (B, K) expected");
+  const int64_t B = x.size(0), K = x.size(1), N = scales.numel();
+  check_packed(qweight, scales, K, torch::kChar, "q8_linear");
   const float* bp = bias_ptr(bias, N);
   const int lvl = pick(impl, q8_best(), "q8_linear");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
-  q8_raw(x.data_ptr<float>(), B, K, qweight.data_ptr<int8_t>(), N, scales.data_ptr<float>(), bp,
-         y.data_ptr<float>(), lvl);
+  q8_raw(x.data_ptr<float>(), B, K, qweight.data_ptr<int8_t>(), N, qweight.size(1),
+         scales.data_ptr<float>(), bp, y.data_ptr<float>(), lvl);
   return y;
 }
 
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                          const c10::optional<torch::Tensor>& bias, int64_t impl) {
+                          const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
+                          int64_t impl) {
   check_f32_2d(x, "x");
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kBFloat16,
-              "bf16_linear: weight must be a bfloat16 CPU tensor, got ", weight.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "bf16_linear: x (B, K) and weight (N, K) expected, got ", x.sizes(), " and ",
-              weight.sizes());
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(),
-              "bf16_linear: contiguous x and weight expected");
-  const int64_t B = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bf16_linear: contiguous x (B, K) expected");
+  const int64_t B = x.size(0), K = x.size(1), N = scales.numel();
+  check_packed(weight, scales, K, torch::kBFloat16, "bf16_linear");
   const float* bp = bias_ptr(bias, N);
   const int lvl = pick(impl, bf_best(), "bf16_linear");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
-  bf_raw(x.data_ptr<float>(), B, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), N, bp,
-         y.data_ptr<float>(), lvl);
+  bf_raw(x.data_ptr<float>(), B, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), N,
+         weight.size(1), scales.data_ptr<float>(), bp, y.data_ptr<float>(), lvl);
   return y;
 }
 
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& W,
                          const c10::optional<torch::Tensor>& scales,
                          const c10::optional<torch::Tensor>& bias) {
-  if (W.scalar_type() == torch::kChar) {
-    TORCH_CHECK(scales.has_value() && scales->defined(), "an int8 weight needs its scales");
-    return q8_linear(x.contiguous(), W, *scales, bias, -1);
-  }
-  if (W.scalar_type() == torch::kBFloat16) return bf16_linear(x.contiguous(), W, bias, -1);
-  return torch::Tensor();
+  if (W.scalar_type() != torch::kChar && W.scalar_type() != torch::kBFloat16)
+    return torch::Tensor();
+  TORCH_CHECK(scales.has_value() && scales->defined(),
+              "an int8 or bfloat16 packed weight needs its scales");
+  if (W.scalar_type() == torch::kChar) return q8_linear(x.contiguous(), W, *scales, bias, -1);
+  return bf16_linear(x.contiguous(), W, *scales, bias, -1);
 }
 
 void bind(pybind11::module& m) {
-  m.def("q8_linear", &q8_linear, "x · (int8 weight · per-row scales)ᵀ + bias",
+  m.def("q8_linear", &q8_linear, "x · (packed int8 weight · per-row scales)ᵀ + bias",
         pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("impl") = -1);
-  m.def("bf16_linear", &bf16_linear, "x · bfloat16 weightᵀ + bias, float32 accumulation",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("impl") = -1);
+  m.def("bf16_linear", &bf16_linear,
+        "x · (packed bfloat16 weight · per-row scales)ᵀ + bias, float32 sums",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("impl") = -1);
   m.def("lowp_set_cap", [](int64_t level) { g_cap.store(static_cast<int>(level)); },
         "highest implementation level the low-precision kernels may pick (0..3)");
   m.def("lowp_info", []() {

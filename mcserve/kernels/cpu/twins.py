@@ -14,15 +14,35 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def pack_pairs(w: Tensor) -> Tensor:
+    """w ``(N, K)`` → ``(ceil(N/16), ceil(K/2), 16, 2)``: blocks of 16 output rows, k-pair by
+    k-pair, zero-padded: the layout of the low-precision kernels (``lowp.cpp``), where one vector
+    holds 16 outputs × 2 values of k."""
+    N, K = w.shape
+    Np, Kp = -(-N // 16) * 16, -(-K // 2) * 2
+    p = w.new_zeros(Np, Kp)
+    p[:N, :K] = w
+    return p.view(Np // 16, 16, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_pairs(p: Tensor, N: int, K: int) -> Tensor:
+    """The ``(N, K)`` weight of ``pack_pairs``' layout."""
+    return p.permute(0, 2, 1, 3).reshape(p.shape[0] * 16, p.shape[1] * 2)[:N, :K]
+
+
 def linear_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x ``(..., K)`` · (qweight ``(N, K)`` int8 · scales ``(N,)``)ᵀ + bias → ``(..., N)``: the
-    weight-only int8 product (per-output-channel scales), in x's precision."""
-    return F.linear(x, qweight.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
+    """x ``(..., K)`` · (qweight · scales ``(N,)``)ᵀ + bias → ``(..., N)``: the weight-only int8
+    product (per-output-channel scales) in x's precision; qweight int8 in ``pack_pairs``'
+    layout."""
+    w = unpack_pairs(qweight, scales.numel(), x.shape[-1])
+    return F.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
 
 
-def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x ``(..., K)`` · weight ``(N, K)`` (bfloat16)ᵀ + bias → ``(..., N)``, in x's precision."""
-    return F.linear(x, weight.to(x.dtype), bias)
+def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x ``(..., K)`` · (weight · scales ``(N,)``)ᵀ + bias → ``(..., N)`` in x's precision;
+    weight bfloat16 in ``pack_pairs``' layout (scales of 1 for plain bfloat16 weights)."""
+    w = unpack_pairs(weight, scales.numel(), x.shape[-1])
+    return F.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
 
 
 def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
