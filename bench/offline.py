@@ -32,9 +32,10 @@ weights): float32, ``dtype="bfloat16"`` (bfloat16 weights for the large linears,
 activations and state) and ``quantization="int8"`` (weight-only int8, one scale per output
 channel), at each ``--streams`` count, plus a prefill row (prompt tokens/s of one
 ``--prefill-len``-token prompt), all in one run with the same threads, the runners interleaved
-repeat by repeat; llama.cpp's f32 / f16 / Q8_0 conversions of the same weights join when
-llama-cpp-python and the converter are there (else a note says why not). Prints the CPU's
-features and which kernels ran; writes ``bench/results/offline_compare_precisions.json``.
+repeat by repeat after a warm-up run at each size (median of 5 by default); llama.cpp's f32 /
+f16 / Q8_0 conversions of the same weights join when llama-cpp-python and the converter are
+there (else a note says why not). Prints the CPU's features and which kernels ran; writes
+``bench/results/offline_compare_precisions.json``.
 
 ``--compare --families`` times mcserve's decode on three imported ~0.1B shapes with random
 weights: RWKV-7 0.1B (BlinkDL ``.pth``), a 130M-class fla Gated DeltaNet and the 130M Mamba2
@@ -131,7 +132,8 @@ def main() -> None:
     cmp.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
     cmp.add_argument("--tf-streams", type=int, nargs="+", default=[1, 8],
                      help="stream counts at which transformers runs (it is slow)")
-    cmp.add_argument("--repeats", type=int, default=3, help="runs per cell; the median counts")
+    cmp.add_argument("--repeats", type=int, default=None,
+                     help="runs per cell; the median counts (default 3; 5 with --precisions)")
     cmp.add_argument("--mc", nargs="*", default=[],
                      help="also mcserve with these post-hoc MC variants (e.g. post grm)")
     cmp.add_argument("--rwkv7", action="store_true",
@@ -154,6 +156,8 @@ def main() -> None:
                      help="llama.cpp source folder with convert_hf_to_gguf.py "
                      "(default: $LLAMA_CPP_SRC)")
     args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 5 if args.precisions else 3
     if args.isa is not None:
         _restart_with_isa(args.isa)
     if args.llama_cpp_path:
@@ -319,6 +323,8 @@ def compare_precisions(args: argparse.Namespace) -> None:
     outputs: dict[tuple[str, int], bl.Result] = {}
     for n in args.streams:
         ids = bl.prompts(shape["vocab_size"], n, args.prompt_len)
+        for r in runners:  # warm up at this batch size (first-touch of buffers, packed copies)
+            r.run(ids, 4, 1)
         for _ in range(args.repeats):
             for r in runners:
                 res = r.run(ids, args.new_tokens, 1)
@@ -330,6 +336,8 @@ def compare_precisions(args: argparse.Namespace) -> None:
     # prefill: one prompt of prefill_len tokens, one new token
     long = bl.prompts(shape["vocab_size"], 1, args.prefill_len, seed=1)
     pre: dict[str, list[float]] = {}
+    for r in runners:
+        r.run(long, 1, 1)
     for _ in range(args.repeats):
         for r in runners:
             pre.setdefault(r.name, []).extend(r.run(long, 1, 1).seconds)
