@@ -18,6 +18,9 @@ the weights at a third to a half of this machine's bandwidth for a single row (a
 linears at one row: 38.5 ms through ``F.linear``, 34.9 ms packed, 22.9 ms C++, one thread,
 ``python bench/cpu_kernels.py --threads 1``).
 
+Linears with int8 or bfloat16 weights (``lowp_linear.apply_weight_precision``) are not packed:
+their forward takes the C++ low-precision kernels at every row count (``_PackedForward.lowp``).
+
 Anything else takes ``F.linear``, the plain twin with the same signature
 (``tests/test_packed_linear.py`` compares the two). The packed copy doubles the weights' memory
 (only weights of at least ``MIN_NUMEL`` elements are packed).
