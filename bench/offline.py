@@ -348,6 +348,11 @@ def compare_precisions(args: argparse.Namespace) -> None:
     # greedy agreement with float32 (random weights: near-ties make any rounding diverge soon)
     agree = {(m, n): bl.agreement(outputs[("mcserve float32", n)], outputs[(m, n)])
              for m in names for n in args.streams}
+    # batch invariance: every stream count starts with the same prompt; its tokens must not
+    # depend on how many streams ran with it
+    n0 = min(args.streams)
+    invariant = {m: all(outputs[(m, n)].outputs[0] == outputs[(m, n0)].outputs[0]
+                        for n in args.streams) for m in names}
     ratio_cols = [("mcserve bf16", "mcserve float32"), ("mcserve int8", "mcserve float32")]
     if llama:
         ratio_cols += [("mcserve float32", "llama.cpp F32"), ("mcserve bf16", "llama.cpp F16"),
@@ -375,9 +380,13 @@ def compare_precisions(args: argparse.Namespace) -> None:
                 title="tokens/s by weight precision, same weights, same run")
     print("greedy tokens agreeing with mcserve float32 (random weights): "
           + ", ".join(f"{m} {n}: {agree[(m, n)]:.0%}" for m in names[1:] for n in args.streams))
+    print(f"the first stream's tokens the same at {', '.join(map(str, args.streams))} streams "
+          "(batch invariance): " + ", ".join(f"{m} {'yes' if invariant[m] else 'NO'}"
+                                             for m in names))
     for note in notes:
         print(note)
     write_json({"env": env, "args": vars(args), "shape": shape, "threads": threads, "isa": isa,
+                "batch_invariant": invariant,
                 "decode": [{"name": m, "streams": n, "tokens_per_s": tps[(m, n)],
                             "seconds": secs[(m, n)], "agreement_with_float32": agree[(m, n)]}
                            for m in names for n in args.streams],

@@ -26,5 +26,6 @@ def test_offline_compare_precisions_quick(tmp_path):
     assert all(x["tokens_per_s"] > 0 for x in data["decode"] + data["prefill"])
     assert {x["name"] for x in data["prefill"]} >= {"mcserve float32", "mcserve int8"}
     assert "CPU features:" in r.stdout and "prefill, 128 tokens" in r.stdout
+    assert data["batch_invariant"]["mcserve int8"] and data["batch_invariant"]["mcserve bf16"]
     if not any(x["name"].startswith("llama.cpp") for x in data["decode"]):
         assert any("llama.cpp columns skipped" in n for n in data["notes"])

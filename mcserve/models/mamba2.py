@@ -522,12 +522,15 @@ class Mamba2Block(MambaBlock):
         A projection with int8 or bfloat16 weights (``lowp_linear``) passes its compact copy
         (and scales), which the C++ block multiplies by at any row count."""
         m = self.mixer
-        lp_in, lp_out = lowp_of(m.in_proj), lowp_of(m.out_proj)
+        # the forward wrappers (they hold the compact weights), kept alive by the cache below so
+        # that their ids stay theirs
+        fw = (m.in_proj.__dict__.get("forward"), m.out_proj.__dict__.get("forward"))
         key = (params_key(self, _FUSED_PATHS if self.mixer.norm is None
                           else _FUSED_PATHS + (("mixer", "norm", "weight"),)),
-               id(lp_in), id(lp_out))
+               id(fw[0]), id(fw[1]))
         cached = self.__dict__.get("_fused_cache")
         if cached is None or cached[0] != key:
+            lp_in, lp_out = lowp_of(m.in_proj), lowp_of(m.out_proj)
             lo, hi = m.cfg.time_step_limit
             d = lambda t: None if t is None else t.detach()  # noqa: E731
             w_in, s_in = ((d(m.in_proj.weight), None) if lp_in is None
@@ -541,7 +544,7 @@ class Mamba2Block(MambaBlock):
                     m.norm.eps if m.norm is not None else 0.0,
                     m.norm.norm_before_gate if m.norm is not None else False,
                     w_out, s_out, d(m.out_proj.bias), m.H, m.P, m.N, m.G)
-            cached = self.__dict__["_fused_cache"] = (key, args)
+            cached = self.__dict__["_fused_cache"] = (key, args, fw)
         return cached[1]
 
 

@@ -512,7 +512,8 @@ class MCMixer(nn.Module):
         key = tuple(id(p) for p in parts)
         cached = self.__dict__.get("_decode_lowp_cat")
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_decode_lowp_cat"] = (key, stack_lowp(parts))
+            # the parts stay referenced, so their ids stay theirs
+            cached = self.__dict__["_decode_lowp_cat"] = (key, stack_lowp(parts), parts)
         return cached[1]
 
     def _project_decode(self, x: Tensor, pl: PagedLayer):
@@ -677,14 +678,19 @@ class Block(nn.Module):
         up a dozen module attributes costs more than the call's Python overhead otherwise)."""
         mixer = self.mixer
         w_in, b_in = mixer._decode_weights()  # validates the projection weights
-        lps = (mixer._decode_lowp(), lowp_of(mixer.o_proj), lowp_of(self.mlp.up),
-               lowp_of(self.mlp.down))
+        # the forward wrappers (which hold int8 / bfloat16 copies), kept alive by the cache so
+        # that their ids stay theirs
+        fw = tuple(lin.__dict__.get("forward") for lin in (
+            mixer.qkv, mixer.u_proj, mixer.g_proj, mixer.gate_proj, mixer.o_proj, self.mlp.up,
+            self.mlp.down) if lin is not None)
         key = (id(w_in), params_key(self, _FUSED_PATHS if mixer.conv is None
                                     else _FUSED_PATHS + (("mixer", "conv", "weight"),)),
-               tuple(id(lp) for lp in lps))
+               tuple(id(f) for f in fw))
         cached = self.__dict__.get("_fused_args")
         if cached is None or cached[1] != key:
             names = mixer.gate_names
+            lps = (mixer._decode_lowp(), lowp_of(mixer.o_proj), lowp_of(self.mlp.up),
+                   lowp_of(self.mlp.down))
 
             def ws(lp: LowpWeight | None, w: Tensor) -> tuple[Tensor, Tensor | None]:
                 # an int8 / bfloat16 copy (and its scales) where the weights have one
@@ -696,7 +702,7 @@ class Block(nn.Module):
                     *ws(lps[1], mixer.o_proj.weight), self.norm2.weight.detach(),
                     *ws(lps[2], self.mlp.up.weight), *ws(lps[3], self.mlp.down.weight),
                     mixer.H, mixer.K, mixer.u_proj is not None, "log_a" in names, "b" in names)
-            cached = (args, key)
+            cached = (args, key, fw)
             self.__dict__["_fused_args"] = cached
         return cached[0]
 
