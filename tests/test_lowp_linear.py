@@ -366,3 +366,25 @@ def test_default_model_perplexity_close_to_float32():
         model = LLM(**kw).engine.model
         assert lp.weight_precision(model)["linears"], kw  # the large linears did change
         assert abs(_ppl(model, ids) / ref - 1) < 0.02, kw
+
+
+def test_eval_ppl_quantization_flag(tmp_path):
+    """``mcserve eval ppl --quantization int8`` scores the int8 weights the engine would serve."""
+    import json
+
+    from mcserve.engine.llm_engine import DEFAULT_MODEL_DIR
+    from mcserve.eval.cli import main
+
+    data = tmp_path / "t.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = {}
+    for q in (None, "int8"):
+        path = tmp_path / f"{q}.json"
+        rc = main(["ppl", str(DEFAULT_MODEL_DIR), "--data", str(data), "--mc", "", "--lengths",
+                   "64", "--max-windows", "2", "--no-reset", "--no-progress", "--json",
+                   str(path)] + (["--quantization", q] if q else []))
+        assert rc == 0
+        out[q] = json.loads(path.read_text())
+    assert out["int8"]["quantization"] == "int8" and out[None]["quantization"] is None
+    a, b = (out[q]["results"][0]["ppl"] for q in (None, "int8"))
+    assert a != b and abs(b / a - 1) < 0.05
