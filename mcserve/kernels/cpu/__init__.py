@@ -142,8 +142,10 @@ def _build_name() -> tuple[str, list[str]]:
 
 
 #: the highest implementation level of the low-precision kernels (lowp.cpp: 0 scalar, 1 AVX2,
-#: 2 AVX-512, 3 AVX-512 VNNI / BF16) each ``MCSERVE_CPU_ISA`` build may use
-LOWP_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "native": 3}
+#: 2 AVX-512, 3 AVX-512 VNNI / BF16) each ``MCSERVE_CPU_ISA`` build may use: ``avx2`` and
+#: ``avx512`` run as such a CPU would; ``native`` and ``portable`` take what the CPU reports at
+#: run time (those kernels pick their instruction set then, so a portable build stays portable)
+LOWP_LEVELS = {"portable": 3, "avx2": 1, "avx512": 2, "native": 3}
 
 
 def isa() -> str:
