@@ -28,16 +28,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def levels(kind: str) -> list[int]:
-    """The implementation levels of ``kind`` this CPU runs (0 scalar .. 3 VNNI / BF16)."""
-    info = cpu.lowp_info()
-    return list(range(int(info[f"{kind}_max"]) + 1))
+    """The implementation levels of ``kind`` this CPU runs under this build's cap
+    (``MCSERVE_CPU_ISA``): 0 scalar .. 3 VNNI / BF16."""
+    return list(range(int(cpu.lowp_info()[f"{kind}_impl"]) + 1))
 
 
 @contextlib.contextmanager
 def cap(level: int):
-    """The low-precision kernels limited to ``level`` (as ``MCSERVE_CPU_ISA`` does)."""
+    """The low-precision kernels limited to ``level`` (as ``MCSERVE_CPU_ISA`` does; never above
+    the cap already set)."""
     old = int(cpu.lowp_info()["cap"])
-    cpu.ops().lowp_set_cap(level)
+    cpu.ops().lowp_set_cap(min(level, old))
     try:
         yield
     finally:
@@ -145,10 +146,10 @@ def test_kernels_edge_rows():
 
 @needs_ops
 def test_cap_limits_the_level():
+    info = cpu.lowp_info()
     with cap(0):
-        info = cpu.lowp_info()
-        assert info["int8_impl"] == 0 and info["bf16_impl"] == 0
-    assert cpu.lowp_info()["int8_impl"] == cpu.lowp_info()["int8_max"]
+        assert cpu.lowp_info()["int8_impl"] == 0 and cpu.lowp_info()["bf16_impl"] == 0
+    assert cpu.lowp_info()["int8_impl"] == min(info["int8_max"], info["cap"])
 
 
 def test_quantize_int8_per_channel():
@@ -303,10 +304,14 @@ def test_mamba2_fused_block_with_lowp_weights(monkeypatch, kind):
     for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
         assert ids == ids_ref
         assert max(abs(a - b) for a, b in zip(lps, lps_ref)) < 2e-3
-    # batch invariance at the best level: each prompt alone gives the tokens of the batch
+    # batch invariance at the best level: each prompt alone gives the tokens of the batch (the
+    # log-probabilities agree to the last bit with AVX builds; the float32 ops outside these
+    # kernels may round differently with a row's alignment in a build without them)
     batch = _generate(model, PROMPTS)
     for i, p in enumerate(PROMPTS):
-        assert _generate(model, [p])[0] == batch[i]
+        ids, lps = _generate(model, [p])[0]
+        assert ids == batch[i][0]
+        assert max(abs(a - b) for a, b in zip(lps, batch[i][1])) < 1e-5
 
 
 @needs_ops
