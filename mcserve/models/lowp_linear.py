@@ -167,6 +167,14 @@ def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
         log.warning("%s weights without mcserve's C++ kernels (%s): the linears compute in "
                     "float32 with the rounded weights, at float32's speed", kind,
                     cpu_ops.status())
+    elif n:  # probe the CPU now (the kernels' self-test), not at the first request
+        info = cpu_ops.lowp_info()
+        level = info["int8_impl" if kind == "int8" else "bf16_impl"]
+        log.info("%s weights for %d linears; kernel level %s (0 scalar, 1 AVX2, 2 AVX-512, "
+                 "3 VNNI / BF16; CPU: AVX2 %s, AVX-512 %s, VNNI %s, BF16 %s)", kind, n, level,
+                 info["avx2_fma"], info["avx512"], info["avx512_vnni"], info["avx512_bf16"])
+        if info["note"]:
+            log.warning("low-precision kernels: %s", info["note"])
     return n
 
 
