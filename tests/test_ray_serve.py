@@ -187,16 +187,23 @@ def test_an_export_waits_for_the_running_prefill_of_its_prefix():
 # ------------------------------------------------------------------------------- cluster
 
 
-def test_turns_of_a_conversation_land_on_one_replica(cluster):
-    c = cluster["client"]
-    conv = SYSTEM + "User: what is memory caching?\nAssistant:"
+def converse(c: Any, question: str, turns: int = 3) -> tuple[str, list[str], list[int]]:
+    """A conversation of ``turns`` completions, each resending the one before with its answer:
+    (the last prompt, the replica of each turn, the cached tokens of each turn)."""
+    conv = SYSTEM + f"User: {question}\nAssistant:"
     served, cached = [], []
-    for turn in range(3):
+    for turn in range(turns):
         r = complete(c, conv, max_tokens=12)
         assert r.status_code == 200, r.text
         served.append(r.headers[REPLICA_HEADER])
         cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         conv += r.json()["choices"][0]["text"] + f"\nUser: and then {turn}?\nAssistant:"
+    return conv, served, cached
+
+
+def test_turns_of_a_conversation_land_on_one_replica(cluster):
+    c = cluster["client"]
+    conv, served, cached = converse(c, "what is memory caching?")
     assert len(set(served)) == 1, served
     assert cached[0] == 0 and all(n >= len(SYSTEM) // SEG * SEG for n in cached[1:]), cached
     # streamed answers carry the header too
@@ -287,14 +294,7 @@ def test_a_model_without_blocks_routes_and_migrates_its_resume_points(cluster, t
     deploy(opts, route_prefix="/none")
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{cluster['port']}/none", timeout=60)
-        conv = SYSTEM + "User: what is a resume point?\nAssistant:"
-        served, cached = [], []
-        for turn in range(3):
-            r = complete(c, conv, max_tokens=12)
-            assert r.status_code == 200, r.text
-            served.append(r.headers[REPLICA_HEADER])
-            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-            conv += r.json()["choices"][0]["text"] + f"\nUser: and then {turn}?\nAssistant:"
+        _, served, cached = converse(c, "what is a resume point?")
         assert len(set(served)) == 1, served
         assert cached[0] == 0 and all(n >= 256 for n in cached[1:]), cached
         prompt = SYSTEM + "User: tell me a long story about resume points.\nAssistant:"
