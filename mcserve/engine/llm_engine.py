@@ -154,19 +154,12 @@ class LLMEngine:
             export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False))
 
     def _checkpoint_interval(self, config: EngineConfig) -> int:
-        """``checkpoint_interval``, or when None: 256 prompt tokens if the budget holds 32
-        resume points of this model, else the power-of-two multiple of 256 that keeps the
-        grid of a ``max_model_len`` prompt within about 32 points (at most 4096)."""
+        """``checkpoint_interval``, or the store's default for this model and budget."""
         if self.resume is None:
             return 0
         if config.checkpoint_interval is not None:
             return config.checkpoint_interval
-        fit = self.resume.capacity()
-        interval = 256
-        while interval < 4096 and fit < 32 and interval * 32 < config.max_model_len:
-            interval *= 2
-            fit *= 2
-        return interval
+        return self.resume.default_interval(config.max_model_len)
 
     def close(self) -> None:
         """Write the resume points held in memory to the disk tier (``state_cache_dir``), so
@@ -607,9 +600,7 @@ class LLMEngine:
         if rp is None:
             return None
         try:
-            return {"key": rp.key, "pos": rp.pos, "segment_fill": rp.segment_fill,
-                    "rows": [{name: t.to("cpu", copy=True) for name, t in layer.items()}
-                             for layer in rp.rows]}
+            return self.resume.export_point(rp)
         finally:
             self.resume.unpin(rp)
 
@@ -621,21 +612,15 @@ class LLMEngine:
 
         Raises ``ValueError`` for an export of another model or configuration. The export's
         resume point, if any, joins this engine's resume points."""
+        rp = export.resume if self.resume is not None else None
+        if rp is not None:  # refused before anything is imported
+            why = self.resume.check_rows(rp["rows"])
+            if why is not None:
+                raise ValueError(f"the prefix export's resume point does not match this "
+                                 f"engine's state: {why}")
         n = self.cache.import_blocks(export)
-        rp = export.resume
-        if rp is not None and self.resume is not None:
+        if rp is not None:
             C = self.mc.segment_len
-            layout = self.resume.layout
-            rows = rp["rows"]
-            if len(rows) != len(layout) or any(
-                    set(r) != set(want) or any(tuple(r[k].shape) != want[k][0]
-                                               or r[k].dtype != want[k][1] for k in want)
-                    for r, want in zip(rows, layout)):
-                raise ValueError("the prefix export's resume point does not match this "
-                                 "engine's state")
-            dev = self.model.device
-            self.resume.put_rows(
-                rp["key"], int(rp["pos"]), int(rp["segment_fill"]),
-                [{k: t.to(dev) for k, t in r.items()} for r in rows],
-                export.hashes[:int(rp["pos"]) // C] if self.mc.caches_blocks else None)
+            self.resume.import_point(
+                rp, export.hashes[:int(rp["pos"]) // C] if self.mc.caches_blocks else None)
         return n

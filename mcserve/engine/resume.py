@@ -383,22 +383,68 @@ class ResumeStore:
         self.num_loaded_disk += 1
         return rp
 
+    def check_rows(self, rows: list[dict[str, Tensor]]) -> str | None:
+        """Why ``rows`` (one dict of slot entries per layer) is not a state of this model
+        (None: it is): the layers, entry names, shapes and dtypes of ``layout``."""
+        if len(rows) != len(self.layout):
+            return f"{len(rows)} layers, this model has {len(self.layout)}"
+        for li, (row, want) in enumerate(zip(rows, self.layout)):
+            if set(row) != set(want):
+                return f"layer {li}'s entries differ from this model's state"
+            for name, (shape, dtype) in want.items():
+                t = row[name]
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    return (f"entry {li}.{name} is {tuple(t.shape)} {t.dtype}, expected "
+                            f"{shape} {dtype}")
+        return None
+
     def _check_tensors(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> str | None:
-        want = {f"{li}.{name}": sd for li, layer in enumerate(self.layout)
-                for name, sd in layer.items()}
         n_blocks = len([h for h in meta.get("blocks", "").split(",") if h])
         blocks = {n for n in tensors if n.startswith("b.")}
-        if set(tensors) - blocks != set(want) or bool(blocks) != bool(n_blocks):
-            return "its entries differ from this model's state"
-        if any(tensors[n].shape[0] != n_blocks for n in blocks):
+        if bool(blocks) != bool(n_blocks) or any(tensors[n].shape[0] != n_blocks
+                                                 for n in blocks):
             return "its blocks do not match its header"
-        for name, (shape, dtype) in want.items():
-            t = tensors[name]
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                return f"entry {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+        rows: list[dict[str, Tensor]] = [{} for _ in self.layout]
+        for name, t in tensors.items():
+            li, _, entry = name.partition(".")
+            if name in blocks or not li.isdigit() or int(li) >= len(rows):
+                if name not in blocks:
+                    return f"an entry {name!r} this model's state does not have"
+                continue
+            rows[int(li)][entry] = t
+        why = self.check_rows(rows)
+        if why is not None:
+            return why
         if _checksum(tensors) != meta.get("checksum"):
             return "checksum mismatch"
         return None
+
+    def default_interval(self, max_model_len: int) -> int:
+        """The grid of resume points when none is configured: 256 prompt tokens if the device
+        tier holds 32 points of this model, else the power-of-two multiple of 256 that keeps
+        the grid of a ``max_model_len`` prompt within about 32 points (at most 4096)."""
+        fit, interval = self.capacity(), 256
+        while interval < 4096 and fit < 32 and interval * 32 < max_model_len:
+            interval *= 2
+            fit *= 2
+        return interval
+
+    def export_point(self, rp: ResumePoint) -> dict:
+        """``rp`` detached from this store (CPU copies; for ``PrefixExport.resume``)."""
+        return {"key": rp.key, "pos": rp.pos, "segment_fill": rp.segment_fill,
+                "rows": [{name: t.to("cpu", copy=True) for name, t in layer.items()}
+                         for layer in rp.rows]}
+
+    def import_point(self, point: dict, block_hashes: list[bytes] | None) -> None:
+        """Keep an ``export_point`` of another store of the same model as a resume point here.
+        Raises ``ValueError`` when its state is not this model's."""
+        why = self.check_rows(point["rows"])
+        if why is not None:
+            raise ValueError(f"the prefix export's resume point does not match this engine's "
+                             f"state: {why}")
+        self.put_rows(point["key"], int(point["pos"]), int(point["segment_fill"]),
+                      [{k: t.to(self.device) for k, t in r.items()} for r in point["rows"]],
+                      block_hashes)
 
     def flush(self) -> int:
         """Write every point held in memory to the disk tier (at shutdown, so a restarted
