@@ -213,7 +213,7 @@ def test_import_is_light() -> None:
 
 def test_generate_goes_through_the_engine(monkeypatch, capsys) -> None:
     from mcserve.engine.llm import LLM
-    from mcserve.models.native import RecurrentLM
+    from mcserve.models.base import RecurrentLM
 
     def no_model_loop(*args, **kwargs):
         raise AssertionError("mcserve generate must not run the model's own loop")

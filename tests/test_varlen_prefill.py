@@ -15,12 +15,13 @@ from mcserve.engine.llm import LLM
 from mcserve.engine.llm_engine import LLMEngine
 from mcserve.engine.sampling import SamplingParams
 from mcserve.kernels import dispatch
-from mcserve.models import native as native_mod
+from mcserve.models import varlen as varlen_mod
 from mcserve.models.importing import ConvInput
 from mcserve.models.mamba1 import Mamba1Config, Mamba1MCForCausalLM
 from mcserve.models.mamba2 import Mamba2Config, Mamba2MCForCausalLM
 from mcserve.models.mc import MCMemory
-from mcserve.models.native import LayerState, MCForCausalLM, ModelState
+from mcserve.models.native import MCForCausalLM
+from mcserve.models.state import LayerState, ModelState
 
 V = 64
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -243,10 +244,10 @@ def test_packed_conv_equals_conv_per_sequence(name):
                          torch.randn(1, W - 1, C, generator=g, dtype=torch.float64))
               for _ in CONV_LENS]
     xc = torch.randn(1, sum(CONV_LENS), C, generator=g, dtype=torch.float64)
-    runs = native_mod.phase_runs(states, CONV_LENS)
+    runs = varlen_mod.phase_runs(states, CONV_LENS)
     assert len(runs) == len(CONV_LENS) - 1  # the two 3s are one run
     bias = None if hasattr(mixer, "conv") else mixer.conv1d.bias
-    out, convs, inputs = native_mod.conv_varlen(xc, states, CONV_LENS, runs, w[:, 0], bias)
+    out, convs, inputs = varlen_mod.conv_varlen(xc, states, CONV_LENS, runs, w[:, 0], bias)
     assert out.shape == xc.shape
     for r, (i, j, s, _) in enumerate(runs):
         for b, n in enumerate(range(i, j)):
@@ -338,7 +339,7 @@ def test_none_linear_varlen_one_memory_call(monkeypatch, name, record, backend):
         assert (spy.prefill, spy.forward) == ([cu] * n_layers, 0)
     else:
         assert spy.prefill == [] and spy.forward == n_layers * len(
-            native_mod.phase_runs([st.layers[0] for st in states], lens))
+            varlen_mod.phase_runs([st.layers[0] for st in states], lens))
     for i, ((lw, sw), sg) in enumerate(zip(want, got, strict=True)):
         close(logits[i], lw[0, -1], f"logits of sequence {i}")
         assert_same_state(sg, sw, f"sequence {i}")

@@ -53,7 +53,8 @@ import common as _bench_common  # noqa: E402
 from common import env_info, env_line, print_table  # noqa: E402, F401 (re-exported)
 
 from mcserve.config import ModelConfig  # noqa: E402
-from mcserve.models.native import MCForCausalLM, RMSNorm, SwiGLU  # noqa: E402
+from mcserve.models.layers import RMSNorm, SwiGLU  # noqa: E402
+from mcserve.models.native import MCForCausalLM  # noqa: E402
 
 IGNORE = -100
 

@@ -196,7 +196,7 @@ class EvalModel:
         self.chunk = chunk
 
     def _reset(self, state):
-        from mcserve.models.native import LayerState, ModelState
+        from mcserve.models.state import LayerState, ModelState
 
         B = state.layers[0].mc.seg_ksum.shape[0]
         m = self.model

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import validate_mc
+from mcserve.models.base import RecurrentLM
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ConvInput,
@@ -60,7 +61,8 @@ from mcserve.models.importing import (
 from mcserve.models.importing import up as _up
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.delta import DeltaMemory, GatedDeltaMemory
-from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
+from mcserve.models.state import LayerState
+from mcserve.models.varlen import fill_conv_tails
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import validate_mc
+from mcserve.models.base import RecurrentLM
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ConvInput,
@@ -53,7 +54,8 @@ from mcserve.models.importing import (
 )
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.gla import VectorGatedMemory
-from mcserve.models.native import LayerState, RecurrentLM, fill_conv_tails
+from mcserve.models.state import LayerState
+from mcserve.models.varlen import fill_conv_tails
 
 DEFAULT_SEGMENT_LEN = 2048
 #: fla's GatedLinearAttention fixes these (its model config does not pass them)

@@ -53,7 +53,7 @@ from mcserve.models.importing import (
 from mcserve.models.mamba2 import ConvSSMMixer, MambaBlock, MambaLM
 from mcserve.models.mc import MCMemory
 from mcserve.models.memory.gla import VectorGatedMemory
-from mcserve.models.native import LayerState
+from mcserve.models.state import LayerState
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from mcserve.config import validate_mc
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.base import RecurrentLM
 from mcserve.models.importing import (
     ConvInput,
     ImportedConfig,
@@ -50,19 +51,13 @@ from mcserve.models.importing import (
     check_positive_ints,
 )
 from mcserve.models.importing import up as _up
+from mcserve.models.layers import GatedRMSNorm, RMSNormF32
 from mcserve.models.lowp_linear import lowp_of
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
-from mcserve.models.native import (
-    LayerState,
-    RecurrentLM,
-    conv_varlen,
-    mix_sequence,
-    mix_varlen,
-    params_key,
-    phase_runs,
-)
 from mcserve.models.packed_linear import is_packed
+from mcserve.models.state import LayerState
+from mcserve.models.varlen import conv_varlen, mix_sequence, mix_varlen, params_key, phase_runs
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
@@ -207,49 +202,6 @@ def parse_delta_scale(text: str) -> float | tuple[float, ...]:
         raise ValueError("delta_scale is empty")
     normalize_delta_scale(vals, len(vals))
     return vals[0] if len(vals) == 1 else tuple(vals)
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) · w, computed in float32 at least (as transformers' Mamba2RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        D = x.shape[-1]
-        if x.numel() <= 8 * D and not torch.is_grad_enabled() and x.is_cpu:  # decode: one C++ op
-            return cpu_ops.rms_norm(x.reshape(-1, D), self.weight, self.eps, D).view(x.shape)
-        h = F.rms_norm(_up(x), (D,), eps=self.eps)  # one fused op
-        return self.weight * h.to(x.dtype)
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over groups of ``group_size`` channels, gated by silu(z) before or after it."""
-
-    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool):
-        super().__init__()
-        self.eps = eps
-        self.group_size = group_size
-        self.norm_before_gate = norm_before_gate
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, y: Tensor, z: Tensor) -> Tensor:
-        D = y.shape[-1]
-        if y.numel() <= 8 * D and not torch.is_grad_enabled() and y.is_cpu:  # decode: one C++ op
-            return cpu_ops.rms_norm(y.reshape(-1, D), self.weight, self.eps, self.group_size,
-                                    z.reshape(-1, D), self.norm_before_gate).view(y.shape)
-        dtype = y.dtype
-        h = _up(y)
-        if not self.norm_before_gate:
-            h = h * F.silu(_up(z))
-        *pre, d = h.shape
-        g = h.view(*pre, d // self.group_size, self.group_size)
-        h = F.rms_norm(g, (self.group_size,), eps=self.eps).view(*pre, d)
-        if self.norm_before_gate:
-            h = h * F.silu(_up(z))
-        return self.weight * h.to(dtype)
 
 
 class ConvSSMMixer(nn.Module):
@@ -452,7 +404,7 @@ class MambaBlock(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int):
         super().__init__()
         self.residual_in_fp32 = cfg.residual_in_fp32
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNormF32(cfg.d_model, cfg.norm_eps)
         self.mixer = self.mixer_class(cfg, layer_idx)
 
     def _residual(self, x: Tensor, h: Tensor) -> Tensor:
@@ -565,7 +517,7 @@ class MambaLM(RebuildsUnderMC, RecurrentLM):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(self.block_class(config, i)
                                     for i in range(config.n_layers))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.norm_f = RMSNormF32(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import validate_mc
+from mcserve.models.base import RecurrentLM
 from mcserve.models.importing import ImportedConfig, RebuildsUnderMC, check_positive_ints
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.rwkv7 import RWKV7Memory
-from mcserve.models.native import LayerState, ModelState, RecurrentLM
+from mcserve.models.state import LayerState, ModelState
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 4096

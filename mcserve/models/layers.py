@@ -1,0 +1,86 @@
+"""Layers several model families share: RMS norms (in the input's dtype or in float32 at
+least, and grouped and gated) and the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.importing import up as _up
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · w in x's dtype (``F.rms_norm``); CPU float32 inference as one C++ pass."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        D = x.shape[-1]
+        if (not torch.is_grad_enabled() and x.is_cpu and x.dtype == torch.float32
+                and x.is_contiguous()):  # one C++ pass (2.3x F.rms_norm's at 2K x 256)
+            return cpu_ops.rms_norm(x.view(-1, D), self.weight, self.eps, D).view(x.shape)
+        return F.rms_norm(x, (D,), self.weight, self.eps)
+
+
+class RMSNormF32(nn.Module):
+    """x / rms(x) · w, computed in float32 at least (as transformers' Mamba2RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        D = x.shape[-1]
+        if x.numel() <= 8 * D and not torch.is_grad_enabled() and x.is_cpu:  # decode: one C++ op
+            return cpu_ops.rms_norm(x.reshape(-1, D), self.weight, self.eps, D).view(x.shape)
+        h = F.rms_norm(_up(x), (D,), eps=self.eps)  # one fused op
+        return self.weight * h.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over groups of ``group_size`` channels, gated by silu(z) before or after it."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool):
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: Tensor, z: Tensor) -> Tensor:
+        D = y.shape[-1]
+        if y.numel() <= 8 * D and not torch.is_grad_enabled() and y.is_cpu:  # decode: one C++ op
+            return cpu_ops.rms_norm(y.reshape(-1, D), self.weight, self.eps, self.group_size,
+                                    z.reshape(-1, D), self.norm_before_gate).view(y.shape)
+        dtype = y.dtype
+        h = _up(y)
+        if not self.norm_before_gate:
+            h = h * F.silu(_up(z))
+        *pre, d = h.shape
+        g = h.view(*pre, d // self.group_size, self.group_size)
+        h = F.rms_norm(g, (self.group_size,), eps=self.eps).view(*pre, d)
+        if self.norm_before_gate:
+            h = h * F.silu(_up(z))
+        return self.weight * h.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate) · up) with gate and up as one stacked projection ``up`` (2·hidden rows)."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.up(x).chunk(2, dim=-1)
+        if torch.is_grad_enabled():
+            return self.down(F.silu(gate) * up)
+        # inference: in place on the projection's output (two fewer (T, hidden) temporaries)
+        return self.down(F.silu(gate, inplace=True).mul_(up))
