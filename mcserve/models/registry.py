@@ -463,6 +463,16 @@ def _load_fla_gla(path: Path, cfg: dict, layout: str) -> nn.Module:
 register("gla", _load_fla_gla, "GLA: flash-linear-attention format (fla-hub, model_type gla)")
 
 
+def _load_jamba(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.jamba import load_jamba
+
+    return load_jamba(path, cfg, *read_weights(path))
+
+
+register("jamba", _load_jamba, "Jamba: transformers format (model_type jamba), a hybrid of Mamba "
+         "(v1) layers, attention layers and MoE MLPs")
+
+
 def _load_rwkv7(path: Path, cfg: dict, layout: str) -> nn.Module:
     from mcserve.models.rwkv7 import from_blinkdl, from_fla
 
