@@ -51,6 +51,43 @@ def test_fast_matches_naive(name, n):
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_grouped_matches_loop(name):
+    """The sync-free grouped path (F.grouped_mm; float32 runs on the CPU) and the loop."""
+    loop = SparseMoE(D, **CONFIGS[name], impl="loop").eval()
+    grouped = SparseMoE(D, **CONFIGS[name], impl="grouped").eval()
+    _randomise(loop, 11)
+    grouped.load_state_dict(loop.state_dict())
+    for n in (1, 7, 33):
+        x = torch.randn(n, D, generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            torch.testing.assert_close(grouped(x), loop(x), atol=1e-5, rtol=1e-5)
+
+
+def test_sigmoid_router_stays_fp32():
+    moe = SparseMoE(D, **CONFIGS["sigmoid_groups_latent"]).eval()
+    _randomise(moe, 12)
+    w = moe.router.weight.detach().clone()
+    x = torch.randn(7, D).bfloat16()
+    with torch.no_grad():
+        ref = moe(x.float())
+        ref_idx, ref_w = moe.route(x.float())
+        moe.to(torch.bfloat16)
+        assert moe.router.weight.dtype == torch.float32
+        assert moe.e_score_correction_bias.dtype == torch.float32
+        assert moe.experts.up_proj.dtype == torch.bfloat16
+        assert torch.equal(moe.router.weight, w)  # not rounded through bfloat16
+        idx, w_route = moe.route(x)  # the same routing as in float32, to the bit
+        assert torch.equal(idx, ref_idx) and torch.equal(w_route, ref_w)
+        y = moe(x)
+        assert y.dtype == torch.bfloat16
+        assert (y.float() - ref).norm() < 0.02 * ref.norm()
+        moe.float()
+    assert isinstance(moe.router.weight, torch.nn.Parameter)
+    other = SparseMoE(D, 4, 2, 16).to(torch.bfloat16)  # softmax routing: cast like the rest
+    assert other.router.weight.dtype == torch.bfloat16
+
+
 def test_shapes_batched_and_empty():
     moe = SparseMoE(D, 4, 2, 16, shared_intermediate=16).eval()
     _randomise(moe, 0)
@@ -81,6 +118,7 @@ def test_unused_experts_are_skipped():
     (dict(routing="sigmoid", n_group=3), "n_group"),
     (dict(n_group=2), "sigmoid"),
     (dict(shared_gate=True), "shared"),
+    (dict(impl="triton"), "impl"),
 ])
 def test_refused(kw, msg):
     args = dict(n_experts=8, top_k=2, intermediate=16) | kw

@@ -69,9 +69,15 @@ shared_bias=mlp_bias, latent_size=moe_latent_size, latent_bias=mlp_bias)``.
 
 The fast path (``forward``) sorts the ``N·k`` (token, expert) pairs by expert and runs one
 matmul pair per expert over exactly its tokens (experts with none are skipped), then adds the
-weighted rows back with ``index_add_``; it reads the per-expert counts on the host (one sync per
-call, so a static CUDA-graph decode step cannot capture it). :func:`naive_moe` is the same sum
-written out per token and per chosen expert, for the tests.
+weighted rows back with ``index_add_``. Two ways to run the experts (``impl``): ``"loop"``, one
+matmul pair per expert with tokens (it reads the per-expert counts on the host: one sync per
+call, so a static CUDA-graph decode step cannot capture it), and ``"grouped"``, one
+``F.grouped_mm`` per projection over the expert offsets (no host sync: capturable); ``"auto"``
+(the default) takes the grouped one where ``F.grouped_mm`` runs (bfloat16 on CUDA, SM 80+, rows
+a multiple of 8) and the loop elsewhere. With sigmoid routing the router and
+``e_score_correction_bias`` stay float32 through ``.to(dtype)`` (``router_fp32``), as
+transformers keeps them. :func:`naive_moe` is the same sum written out per token and per chosen
+expert, for the tests.
 """
 
 from __future__ import annotations
@@ -83,6 +89,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid")
+#: how the experts run: "loop" (one matmul pair per expert with tokens; reads the counts on the
+#: host), "grouped" (``F.grouped_mm`` over the expert offsets, no host sync), "auto" (grouped
+#: where ``F.grouped_mm`` runs: bfloat16 on CUDA, SM 80+; the loop elsewhere)
+IMPLS = ("auto", "loop", "grouped")
 
 
 def _relu2(x: Tensor) -> Tensor:
@@ -170,8 +180,11 @@ class SparseMoE(nn.Module):
                  router_bias: bool = False, gated: bool = True, act: str = "silu",
                  shared_intermediate: int | None = None, shared_gate: bool = False,
                  shared_gated: bool = True, shared_bias: bool = False,
-                 latent_size: int | None = None, latent_bias: bool = False):
+                 latent_size: int | None = None, latent_bias: bool = False,
+                 router_fp32: bool | None = None, impl: str = "auto"):
         super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"unknown MoE impl {impl!r} (one of {', '.join(IMPLS)})")
         if routing not in ROUTINGS:
             raise ValueError(f"unknown MoE routing {routing!r} (one of {', '.join(ROUTINGS)})")
         for name, v in (("n_experts", n_experts), ("top_k", top_k),
@@ -201,6 +214,11 @@ class SparseMoE(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.act_name = act
+        self.impl = impl
+        #: router weight, bias and score correction kept in float32 through ``.to(dtype)``
+        #: (transformers keeps Nemotron-H's ``gate.weight`` and ``e_score_correction_bias``
+        #: in float32); default: with sigmoid routing
+        self.router_fp32 = routing == "sigmoid" if router_fp32 is None else bool(router_fp32)
         self.act = activation(act)
         self.router = nn.Linear(d_model, n_experts, bias=router_bias)
         if routing == "sigmoid":
@@ -222,6 +240,23 @@ class SparseMoE(nn.Module):
             raise ValueError("MoE shared_gate needs a shared expert (shared_intermediate)")
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
 
+    def _fp32_tensors(self) -> list[tuple[nn.Module, str]]:
+        out = [(self.router, n) for n in ("weight", "bias") if getattr(self.router, n) is not None]
+        if self.e_score_correction_bias is not None:
+            out.append((self, "e_score_correction_bias"))
+        return out
+
+    def _apply(self, fn, recurse=True):
+        if not self.router_fp32:
+            return super()._apply(fn, recurse)
+        kept = [(m, n, getattr(m, n).data) for m, n in self._fp32_tensors()]
+        super()._apply(fn, recurse)
+        for m, n, old in kept:  # the new device, the old float32 values
+            new = getattr(m, n)
+            if new.dtype != torch.float32:
+                new.data = old.to(device=new.device, dtype=torch.float32)
+        return self
+
     # ------------------------------------------------------------------------------ routing
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(index (N, k) int64, weight (N, k) float32)`` of the tokens ``x`` ``(N, D)``."""
@@ -229,6 +264,8 @@ class SparseMoE(nn.Module):
             b = self.router.bias
             logits = F.linear(x.float(), self.router.weight.float(),
                               None if b is None else b.float())
+        elif self.router.weight.dtype != x.dtype:  # a float32 router (router_fp32)
+            logits = self.router(x.to(self.router.weight.dtype)).float()
         else:
             logits = self.router(x).float()
         k = self.top_k
@@ -273,24 +310,61 @@ class SparseMoE(nn.Module):
             routed = routed + shared
         return routed.view(shape)
 
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        idx, w = self.route(x)
-        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok = order // k
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        hs = h.index_select(0, tok)
-        ys = torch.empty(n * k, h.shape[-1], dtype=h.dtype, device=h.device)
+    def _use_grouped(self, h: Tensor) -> bool:
+        if self.impl != "auto":
+            return self.impl == "grouped"
+        # F.grouped_mm: bfloat16 on CUDA (SM 80+), rows of 16-byte multiples
+        w = self.experts.w_in
+        return (h.is_cuda and h.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and hasattr(F, "grouped_mm") and h.shape[-1] % 8 == 0
+                and self.experts.intermediate % 8 == 0
+                and torch.cuda.get_device_capability(h.device) >= (8, 0))
+
+    def _sorted(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """The (token, expert) pairs in expert order: ``(order, token of each pair)``."""
+        order = torch.argsort(idx.reshape(-1), stable=True)
+        return order, order // idx.shape[1]
+
+    def _experts_loop(self, hs: Tensor, idx: Tensor) -> Tensor:
+        """One matmul pair per expert with tokens, over exactly its rows of ``hs`` (one host
+        sync: the counts)."""
+        counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()
+        ys = torch.empty(hs.shape, dtype=hs.dtype, device=hs.device)
         start = 0
         for e, c in enumerate(counts):
             if c:
                 ys[start:start + c] = self.experts.one(e, hs[start:start + c], self.act)
                 start += c
-        out = torch.zeros(n, h.shape[-1], dtype=torch.float32, device=h.device)
+        return ys
+
+    def _experts_grouped(self, hs: Tensor, idx: Tensor) -> Tensor:
+        """The same with ``F.grouped_mm`` over the expert offsets: no host sync."""
+        flat = idx.reshape(-1)
+        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=hs.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        ex = self.experts
+        grouped = getattr(F, "grouped_mm", None) or torch._grouped_mm
+        h = grouped(hs, ex.w_in.transpose(-2, -1), offs=offs)
+        if ex.gated:
+            g, u = h.split(ex.intermediate, dim=-1)
+            h = self.act(g) * u
+        else:
+            h = self.act(h)
+        return grouped(h, ex.down_proj.transpose(-2, -1), offs=offs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.route(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        order, tok = self._sorted(idx)
+        hs = h.index_select(0, tok)
+        if self._use_grouped(h):
+            ys = self._experts_grouped(hs, idx)
+        else:
+            ys = self._experts_loop(hs, idx)
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         out.index_add_(0, tok, ys.float() * w.reshape(-1)[order, None])
         return self._finish(x, out.to(h.dtype), shape)
 
