@@ -219,6 +219,11 @@ class EngineConfig:
     # variants that cache nothing (none, loglinear)
     num_state_blocks: int | None = None
     state_cache_mib: int = 1024  # budget (MiB) of the automatic block pool and the resume points
+    # hybrid models: the attention layers' paged KV pool, in MiB, and its block size in tokens
+    # (independent of the recurrent state's size)
+    kv_cache_mib: int = 1024
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # a fixed number of KV blocks instead of kv_cache_mib's
     # CPU: run nn.Linear layers through oneDNN-packed weight copies (models/packed_linear.py);
     # 2-3x faster GEMMs at decode batch sizes, at the cost of a second copy of the weights
     cpu_packed_weights: bool = True
@@ -255,9 +260,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_state_blocks", "state_cache_mib"):
+                     "num_state_blocks", "state_cache_mib", "kv_cache_mib", "kv_block_size",
+                     "num_kv_blocks"):
             val = getattr(self, name)
-            if name == "num_state_blocks" and val is None:
+            if name in ("num_state_blocks", "num_kv_blocks") and val is None:
                 continue
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mcserve.config import EngineConfig, MCConfig, ModelConfig
+from mcserve.engine.kv_cache import KVCache
 from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mcserve.engine.prefix_keys import prompt_block_hashes, request_salt
 from mcserve.engine.resume import ResumeStore
@@ -98,6 +99,8 @@ class LLMEngine:
             self.cache, self.mc, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.mc, max_model_len=config.max_model_len)
+        self.kv = self._kv_cache(config)
+        self.scheduler.kv = self.runner.kv = self.kv
         if not config.enforce_eager and model.device.type == "cuda":
             # one graph per (batch, table width) bucket, before any request: the decode step
             # then replays instead of launching its kernels one by one
@@ -151,7 +154,25 @@ class LLMEngine:
                         if self.model.device.type != "cpu" else 0),
             disk_dir=config.state_cache_dir,
             disk_bytes=int(config.state_cache_disk_gib * 2**30),
-            export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False))
+            export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False),
+            release_kv=None if self.kv is None else self.kv.free)
+
+    def _kv_cache(self, config: EngineConfig) -> KVCache | None:
+        """The paged KV pool of a hybrid model's attention layers (``kv_cache_mib``); None for
+        a model without attention layers."""
+        if not getattr(self.model, "attn_layers", None):
+            return None
+        if self.mc.log_segmented:
+            raise ValueError("mc_variant loglinear is not supported on hybrid models (its "
+                             "states are private to each sequence; the KV is paged)")
+        n, hkv, d = self.model.kv_spec()
+        bs = config.kv_block_size
+        per = KVCache.block_bytes(n, hkv, d, bs, self.model.dtype)
+        blocks = config.num_kv_blocks or config.kv_cache_mib * 2**20 // per
+        if blocks < 1:
+            raise ValueError(f"kv_cache_mib={config.kv_cache_mib} holds no KV block of "
+                             f"{per / 2**20:.1f} MiB ({bs} tokens)")
+        return KVCache(n, hkv, d, blocks, bs, self.model.dtype, self.model.device)
 
     def _checkpoint_interval(self, config: EngineConfig) -> int:
         """``checkpoint_interval``, or the store's default for this model and budget."""
@@ -173,12 +194,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ describe
     def describe(self) -> str:
         m, c, mc = self.model_config, self.config, self.mc
-        return (f"model={self.model_name} ({m.memory}, {m.n_layers} layers, d={m.d_model}) "
+        kind = getattr(m, "memory", None) or getattr(m, "model_type", "?")
+        kv = self.kv
+        return (f"model={self.model_name} ({kind}, {m.n_layers} layers, d={m.d_model}) "
                 f"mc={mc.variant}/{mc.mode} segment_len={mc.segment_len} top_k={mc.top_k} "
                 f"device={c.device} dtype={c.dtype} slots={c.max_num_seqs} "
                 f"blocks={self.num_state_blocks} "
                 f"({self.cache.bytes_per_block * self.num_state_blocks / 2**20:.0f} MiB) "
                 f"prefix_caching={c.enable_prefix_caching}"
+                + (f" kv_cache={kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks "
+                   f"of {kv.block_size}, {kv.num_blocks * kv.bytes_per_block / 2**20:.0f} MiB)"
+                   if kv is not None else "")
                 + (f" resume_points={self.resume.capacity()} "
                    f"({self.resume.row_bytes / 2**20:.1f} MiB each, one every "
                    f"{self.checkpoint_interval or 'no'} prompt tokens"
@@ -549,6 +575,10 @@ class LLMEngine:
             "prompt_tokens_computed": (self.scheduler.prompt_tokens_admitted
                                        - self.scheduler.prompt_tokens_cached),
             **(self.resume.stats() if self.resume is not None else {}),
+            **({"kv_blocks_used": self.kv.num_blocks - self.kv.num_free,
+                "kv_blocks_total": self.kv.num_blocks,
+                "kv_blocks_resume_points": self.resume.kv_held if self.resume else 0}
+               if self.kv is not None else {}),
         }
 
     # ------------------------------------------------------------------ prefix export / import
@@ -581,8 +611,11 @@ class LLMEngine:
             if token_ids is None:
                 raise InvalidRequestError("export_prefix needs token_ids or hashes")
             hashes = self.prefix_hashes(token_ids, mc_overrides)
+        if self.kv is not None:  # a hybrid's KV is not exported: the importer recomputes
+            hashes = []
         export = self.cache.export_blocks(list(hashes))
-        if token_ids is not None and self.resume is not None and not self.runner.private:
+        if (token_ids is not None and self.resume is not None and not self.runner.private
+                and self.kv is None):
             export.resume = self._export_resume([int(t) for t in token_ids], export,
                                                 mc_overrides)
         return export

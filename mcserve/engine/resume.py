@@ -60,6 +60,10 @@ class ResumePoint:
     # needs in the pool), and, read back from disk, their contents until imported
     block_hashes: list[bytes] = field(default_factory=list)
     blocks: PrefixExport | None = None
+    # hybrid models: the KV pool blocks of the tokens before ``pos`` (the store holds a
+    # reference on each; the last one may be partial). Such a point stays in memory: spilling
+    # or evicting it drops it and gives the blocks back (``release_kv``)
+    kv_blocks: list[int] | None = None
 
 
 def _checksum(tensors: dict[str, Tensor]) -> str:
@@ -85,7 +89,8 @@ class ResumeStore:
     def __init__(self, salt: bytes, layout: list[dict[str, tuple[tuple[int, ...], torch.dtype]]],
                  *, device: torch.device, budget_bytes: int, host_bytes: int = 0,
                  disk_dir: str | os.PathLike | None = None, disk_bytes: int = 0,
-                 export_blocks: Callable[[list[bytes]], PrefixExport] | None = None):
+                 export_blocks: Callable[[list[bytes]], PrefixExport] | None = None,
+                 release_kv: Callable[[list[int]], None] | None = None):
         self.salt = salt
         self.digest = salt_digest(salt).hex()
         self.layout = layout
@@ -95,6 +100,8 @@ class ResumeStore:
         self.disk_dir = Path(disk_dir) if disk_dir else None
         self.disk_budget = int(disk_bytes)
         self.export_blocks = export_blocks  # copies of pool blocks by key (for disk files)
+        self.release_kv = release_kv  # gives a hybrid point's KV blocks back to the KV pool
+        self.kv_held = 0  # KV blocks the points hold
         self.points: OrderedDict[bytes, ResumePoint] = OrderedDict()  # memory tiers, LRU first
         self.disk: OrderedDict[bytes, ResumePoint] = OrderedDict()  # disk tier, LRU first
         self.positions: Counter[int] = Counter()  # pos -> points there (every tier)
@@ -166,13 +173,15 @@ class ResumeStore:
 
     # ------------------------------------------------------------------ taking points
     def put_rows(self, key: bytes, pos: int, segment_fill: int,
-                 rows: list[dict[str, Tensor]], block_hashes: list[bytes] | None = None
-                 ) -> None:
+                 rows: list[dict[str, Tensor]], block_hashes: list[bytes] | None = None,
+                 kv_blocks: list[int] | None = None) -> None:
         """Keep ``rows`` (the caller's copies of a slot row, every layer) as the resume point
-        ``key`` at ``pos``, after the pool blocks ``block_hashes`` (MC segment blocks)."""
+        ``key`` at ``pos``, after the pool blocks ``block_hashes`` (MC segment blocks); for a
+        hybrid, with the KV blocks ``kv_blocks`` whose references the caller hands over (given
+        back at once when the point is not kept)."""
         nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
         self._add(ResumePoint(key, pos, segment_fill, nbytes, rows=rows,
-                              block_hashes=list(block_hashes or ())))
+                              block_hashes=list(block_hashes or ()), kv_blocks=kv_blocks))
 
     def put_private(self, key: bytes, pos: int, segment_fill: int, state: Any) -> None:
         """Keep a copy of a private model state (``loglinear``) as the resume point ``key``."""
@@ -187,11 +196,13 @@ class ResumeStore:
         self._add(ResumePoint(key, pos, segment_fill, nbytes, private=state))
 
     def _add(self, rp: ResumePoint) -> None:
-        if self.has(rp.key):
+        if self.has(rp.key) or rp.nbytes > self.budget_bytes:
             self.touch(rp.key)
+            if rp.kv_blocks is not None:
+                self.release_kv(rp.kv_blocks)
             return
-        if rp.nbytes > self.budget_bytes:
-            return
+        if rp.kv_blocks is not None:
+            self.kv_held += len(rp.kv_blocks)
         self.dropped.pop(rp.key, None)
         self.points[rp.key] = rp
         self.positions[rp.pos] += 1
@@ -210,8 +221,24 @@ class ResumeStore:
                     break
                 self._spill(victim)
 
+    def drop_kv(self, enough: Callable[[], bool]) -> None:
+        """Drop unpinned hybrid points, least recently used first, until ``enough()``: their
+        KV blocks are wanted by a running sequence."""
+        for rp in [p for p in self.points.values() if p.kv_blocks is not None and not p.pins]:
+            if enough():
+                return
+            del self.points[rp.key]
+            self.used[rp.tier] -= rp.nbytes
+            self._forget(rp)
+
     def _spill(self, rp: ResumePoint) -> None:
-        """Move ``rp`` one tier down: device -> host -> disk -> dropped."""
+        """Move ``rp`` one tier down: device -> host -> disk -> dropped (a hybrid's point,
+        whose KV stays in the KV pool, is dropped)."""
+        if rp.kv_blocks is not None:
+            del self.points[rp.key]
+            self.used[rp.tier] -= rp.nbytes
+            self._forget(rp)
+            return
         if rp.tier == "device" and rp.rows is not None and self.host_budget >= rp.nbytes:
             pin = torch.cuda.is_available()
             rp.rows = [{n: t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True)
@@ -228,6 +255,10 @@ class ResumeStore:
         self._forget(rp)
 
     def _forget(self, rp: ResumePoint) -> None:
+        if rp.kv_blocks is not None:
+            self.release_kv(rp.kv_blocks)
+            self.kv_held -= len(rp.kv_blocks)
+            rp.kv_blocks = None
         self.positions[rp.pos] -= 1
         if not self.positions[rp.pos]:
             del self.positions[rp.pos]
@@ -431,6 +462,9 @@ class ResumeStore:
 
     def export_point(self, rp: ResumePoint) -> dict:
         """``rp`` detached from this store (CPU copies; for ``PrefixExport.resume``)."""
+        if rp.kv_blocks is not None:
+            raise ValueError("a hybrid model's resume point (attention KV in the pool) is not "
+                             "exported")
         return {"key": rp.key, "pos": rp.pos, "segment_fill": rp.segment_fill,
                 "rows": [{name: t.to("cpu", copy=True) for name, t in layer.items()}
                          for layer in rp.rows]}
@@ -453,7 +487,7 @@ class ResumeStore:
             return 0
         n = 0
         for rp in list(self.points.values()):
-            if rp.rows is None or rp.pins:
+            if rp.rows is None or rp.pins or rp.kv_blocks is not None:
                 continue
             del self.points[rp.key]
             self.used[rp.tier] -= rp.nbytes

@@ -26,11 +26,13 @@ from torch import Tensor
 
 from mcserve.config import MCConfig
 from mcserve.engine.cuda_graphs import DecodeGraphs, bucket, decode_buckets, table_buckets
+from mcserve.engine.kv_cache import KVCache
 from mcserve.engine.prefix_keys import chain_hashes
 from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
+from mcserve.models.attention import PagedKV
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.state import LayerState, ModelState
@@ -58,6 +60,11 @@ class ModelRunner:
         self.private = mc.log_segmented
         self.states: dict[int, ModelState] = {}
         self.resume: ResumeStore | None = None  # resume points (set by the engine)
+        # hybrid models: the attention layers' paged KV pool (set by the engine)
+        self.kv: KVCache | None = None
+        # each layer's value dim (independent mode restarts a segment's memory with it)
+        self.v_dims = [blk.mixer.init_state(1, model.dtype, model.device).mc.v_dim
+                       for blk in model.layers]
         # static decode (``static_forward``): the batch padded to a bucket of
         # ``batch_buckets``, the block table to one of ``width_buckets`` (the most cached
         # segments a sequence can have: max_model_len's, and no more than the pools hold); the
@@ -94,6 +101,10 @@ class ModelRunner:
             for sl, rows in zip(self.cache.slot, point.rows, strict=True):
                 for name, t in sl.items():
                     t[seq.slot].copy_(rows[name], non_blocking=True)
+            if point.kv_blocks is not None:  # the point's partial KV block: a copy of its own
+                full, part = divmod(point.pos, self.kv.block_size)
+                if part:
+                    self.kv.copy_rows(point.kv_blocks[full], seq.kv_table[full], part)
             self.resume.unpin(point)
         elif resume_block < 0:
             self.cache.clear_slot(seq.slot, self.init_mem)
@@ -116,8 +127,12 @@ class ModelRunner:
         elif seq.slot is not None:
             rows = [{name: t[seq.slot].clone() for name, t in sl.items()}
                     for sl in self.cache.slot]
+            kv_blocks = None
+            if self.kv is not None:  # the KV before pos, held by the point
+                kv_blocks = seq.kv_table[:self.kv.blocks_for(pos)]
+                self.kv.share(kv_blocks)
             self.resume.put_rows(key, pos, seq.segment_fill, rows,
-                                 seq.block_hashes if self.caches_blocks else None)
+                                 seq.block_hashes if self.caches_blocks else None, kv_blocks)
 
     def load_state(self, seq: Sequence) -> ModelState:
         """A batch-of-one model state for ``seq`` from its slot and block table."""
@@ -141,7 +156,7 @@ class ModelRunner:
                 mem=mem, seg_ksum=sl["seg_ksum"][s:s + 1].clone(), seg_len=seq.segment_fill,
                 cached=cached, cached_ksum=ksum, cached_len=[C] * ksum.shape[1],
                 cached_pos=[(i + 1) * C for i in range(ksum.shape[1])], n_segments=N,
-                pos=seq.num_computed_tokens, v_dim=self.model.config.head_dim,
+                pos=seq.num_computed_tokens, v_dim=self.v_dims[li],
                 top_k=seq.mc_top_k,
             )
             conv = sl["conv"][s:s + 1].clone() if "conv" in sl else None
@@ -221,7 +236,8 @@ class ModelRunner:
             for st in states:
                 for ls in st.layers:
                     ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
-        logits, states = self.model.forward_varlen(x, states, lens)  # (n, V)
+        kw = {} if self.kv is None else {"kv": self.paged_kv(seqs, lens)}
+        logits, states = self.model.forward_varlen(x, states, lens, **kw)  # (n, V)
         for q, n in zip(seqs, lens, strict=True):
             q.num_computed_tokens += n
         if self.caches_blocks:
@@ -266,7 +282,12 @@ class ModelRunner:
         if self.caches_blocks:
             for ls in state.layers:
                 ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
-        logits, state = self.model(x, state, last_only=not want_all_logits)
+        if self.kv is not None:  # a hybrid: its attention KV is in the paged pool
+            logits, (state,) = self.model.forward_varlen(
+                x, [state], [n], kv=self.paged_kv([seq], [n]), all_logits=want_all_logits)
+            logits = logits[None] if want_all_logits else logits[:, None]
+        else:
+            logits, state = self.model(x, state, last_only=not want_all_logits)
         seq.num_computed_tokens += n
         if self.caches_blocks:
             self._write_checkpoints([item], [state])
@@ -312,6 +333,21 @@ class ModelRunner:
             for bid in it.new_blocks:
                 self._register(it.seq, bid)
 
+    def paged_kv(self, seqs: list[Sequence], lens: list[int]) -> PagedKV:
+        """The KV pool's view for one step: rows ``seqs`` computing ``lens`` tokens each
+        after the ``num_computed_tokens`` they have (hybrid models)."""
+        kv, dev = self.kv, self.model.device
+        ctx = [s.num_computed_tokens for s in seqs]
+        width = max(len(s.kv_table) for s in seqs)
+        tables = torch.full((len(seqs), width), -1, dtype=torch.long)
+        slots = []
+        for r, (s, c, n) in enumerate(zip(seqs, ctx, lens, strict=True)):
+            tables[r, :len(s.kv_table)] = torch.tensor(s.kv_table, dtype=torch.long)
+            slots += kv.slots(s.kv_table, c, n)
+        lengths = torch.tensor([c + n for c, n in zip(ctx, lens, strict=True)], device=dev)
+        return PagedKV(kv.k, kv.v, tables.to(dev), ctx, list(lens),
+                       torch.tensor(slots, dtype=torch.long, device=dev), lengths)
+
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
     def decode(self, items: list[ScheduledSeq]) -> Tensor:
@@ -331,7 +367,7 @@ class ModelRunner:
         hb = self.cache.host_base
         offloaded = self.cache.num_host_blocks > 0 and any(
             b >= hb for s in seqs for b in s.block_table)
-        if self.static_decode:
+        if self.static_decode and self.kv is None:
             shape = self._static_shape(seqs)
             if shape is not None:
                 logits = self._decode_static(seqs, *shape, offloaded)
@@ -377,7 +413,8 @@ class ModelRunner:
                                              (min(ks), max(ks)) if per_row else None,
                                              offloaded))
         tokens = torch.tensor([[s.last_id] for s in seqs], dtype=torch.long, device=dev)
-        logits = self.model.forward_paged(tokens, layers)[:, 0]
+        kw = {} if self.kv is None else {"kv": self.paged_kv(seqs, [1] * len(seqs))}
+        logits = self.model.forward_paged(tokens, layers, **kw)[:, 0]
         for sl, pl, got in zip(self.cache.slot, layers, rows_in, strict=True):
             for name, t in self._layer_outputs(pl).items():
                 if not (contiguous and t is got[name]):  # not updated in place in the pool
@@ -579,7 +616,8 @@ class ModelRunner:
         bucket) and turn the static step on; False, with the runner left eager, when the model
         is not on a CUDA device or its step cannot be captured (a family that syncs, such as
         the deep memories' inner-chunk fill, or loglinear's private states)."""
-        if self.private or self.model.device.type != "cuda" or not torch.cuda.is_available():
+        if (self.private or self.kv is not None or self.model.device.type != "cuda"
+                or not torch.cuda.is_available()):
             return False
         graphs = DecodeGraphs(self.static_forward, self.batch_buckets, self.width_buckets,
                               before_capture=self.reset_static_inputs)

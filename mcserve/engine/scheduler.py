@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mcserve.config import MCConfig
+from mcserve.engine.kv_cache import KVCache
 from mcserve.engine.prefix_keys import chain_hashes
 from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.sequence import Sequence, Status
@@ -71,6 +72,9 @@ class Scheduler:
         self.prompt_tokens_admitted = 0  # prompt tokens of admitted sequences (first time)
         self.prompt_tokens_cached = 0  # ... of which came from the state cache
         self.on_release = lambda seq: None  # the runner forgets per-sequence private state
+        # hybrid models: the attention layers' paged KV (set by the engine). Preemption then
+        # recomputes (the KV stays in the pool only while a resume point holds it)
+        self.kv: KVCache | None = None
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -90,6 +94,9 @@ class Scheduler:
         if seq.block_table:
             self.cache.free(seq.block_table)
         seq.block_table = []
+        if seq.kv_table:
+            self.kv.free(seq.kv_table)
+            seq.kv_table = []
         seq.saved_slot = None
         if seq.slot is not None:
             self.cache.free_slot(seq.slot)
@@ -98,7 +105,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap to the host tier when it has room, else free everything and recompute later."""
         self.running.remove(seq)
-        swapped = self.cache.swap_out(seq.block_table, seq.slot) if seq.slot is not None else None
+        swapped = (self.cache.swap_out(seq.block_table, seq.slot)
+                   if seq.slot is not None and self.kv is None else None)
         if swapped is not None:
             seq.block_table, seq.saved_slot = swapped
             seq.slot = None
@@ -119,6 +127,25 @@ class Scheduler:
             return 0
         C, p = self.mc.segment_len, seq.num_computed_tokens
         return (p + n) // C - p // C
+
+    def _kv_needed(self, seq: Sequence, n: int) -> int:
+        """KV blocks ``seq`` needs beyond its table to compute ``n`` more tokens."""
+        if self.kv is None:
+            return 0
+        return max(0, self.kv.blocks_for(seq.num_computed_tokens + n) - len(seq.kv_table))
+
+    def _fits(self, need: int, kv_need: int) -> bool:
+        """Whether ``need`` state blocks and ``kv_need`` KV blocks can be had now; KV blocks
+        that only resume points hold are given up (least recently used first) for them."""
+        if not self.cache.can_allocate(need):
+            return False
+        if kv_need and not self.kv.can_allocate(kv_need) and self.resume is not None:
+            self.resume.drop_kv(lambda: self.kv.can_allocate(kv_need))
+        return not kv_need or self.kv.can_allocate(kv_need)
+
+    def _grow_kv(self, seq: Sequence, kv_need: int) -> None:
+        if kv_need:
+            seq.kv_table = seq.kv_table + self.kv.allocate(kv_need)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute now: all that is left, or the longest budget-fitting piece that
@@ -218,6 +245,24 @@ class Scheduler:
         rp.blocks = None  # in the pool now (or never needed)
         return rp
 
+    def _hybrid_resume(self, seq: Sequence, rp: ResumePoint | None) -> None:
+        """A hybrid resumes from a resume point only (its KV and its recurrent state at the
+        same token) or from nothing: segment blocks past the point are given back, and the
+        point's KV blocks before it are shared (the partial last one is copied by the runner
+        into a block of the sequence's own)."""
+        C = self.mc.segment_len
+        keep = rp.pos // C if rp is not None and self.caches_blocks else 0
+        if len(seq.block_table) > keep:
+            self.cache.free(seq.block_table[keep:])
+            seq.block_table = seq.block_table[:keep]
+            seq.block_hashes = seq.block_hashes[:keep]
+        if rp is None:
+            seq.num_computed_tokens = seq.segment_fill = 0
+            return
+        full = rp.pos // self.kv.block_size
+        seq.kv_table = list(rp.kv_blocks[:full])
+        self.kv.share(seq.kv_table)
+
     def _being_computed(self, seq: Sequence, hashes: list[bytes]) -> bool:
         """Whether the first segment of ``hashes`` that is not cached is being computed by a
         running prefill of another request (same tokens up to that segment's end, same salt):
@@ -288,9 +333,10 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n <= 0:
                 continue
-            need = self._blocks_needed(seq, n)
-            while not self.cache.can_allocate(need):
-                if self.offload and self._offload_for(seq):
+            need, kv_need = self._blocks_needed(seq, n), self._kv_needed(seq, n)
+            while not self._fits(need, kv_need):
+                if (self.offload and not self.cache.can_allocate(need)
+                        and self._offload_for(seq)):
                     continue
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim, out)
@@ -299,6 +345,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             blocks = self.cache.allocate(need)
+            self._grow_kv(seq, kv_need)
             budget -= n
             item = self._item(seq, n, blocks)
             (out.prefills if seq.is_prefill else out.decodes).append(item)
@@ -311,7 +358,8 @@ class Scheduler:
                 budget -= n
                 continue
             hashes = self.prefix_hashes(seq)
-            if self._being_computed(seq, hashes) or self._awaits_resume(seq):
+            if (self.kv is None and self._being_computed(seq, hashes)) \
+                    or self._awaits_resume(seq):
                 break  # a running prefill is computing its prefix: reuse it next step
             slot = self.cache.allocate_slot()
             if slot is None:
@@ -324,10 +372,14 @@ class Scheduler:
             rp = self._resume_lookup(seq, hashes)
             if rp is not None:
                 seq.num_computed_tokens, seq.segment_fill = rp.pos, rp.segment_fill
+            if self.kv is not None:
+                self._hybrid_resume(seq, rp)
             seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_ids))
             n = self._chunk(seq, budget)
-            need = self._blocks_needed(seq, n)
-            blocks = self.cache.allocate(need) if n > 0 else None
+            need, kv_need = self._blocks_needed(seq, n), self._kv_needed(seq, n)
+            blocks = self.cache.allocate(need) if n > 0 and self._fits(need, kv_need) else None
+            if blocks is not None:
+                self._grow_kv(seq, kv_need)
             if blocks is None:  # undo; the head waits (FCFS: nobody overtakes it)
                 if rp is not None:
                     self.resume.unpin(rp)

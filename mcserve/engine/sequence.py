@@ -39,6 +39,7 @@ class Sequence:
     saved_slot: list | None = None  # the slot's contents while swapped out to the host tier
     block_table: list[int] = field(default_factory=list)  # one block per cached segment
     block_hashes: list[bytes] = field(default_factory=list)  # hash of each completed segment
+    kv_table: list[int] = field(default_factory=list)  # hybrids: KV pool blocks, in order
     segment_fill: int = 0  # tokens in the online segment (< segment_len between steps)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when asked for

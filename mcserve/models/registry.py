@@ -463,6 +463,47 @@ def _load_fla_gla(path: Path, cfg: dict, layout: str) -> nn.Module:
 register("gla", _load_fla_gla, "GLA: flash-linear-attention format (fla-hub, model_type gla)")
 
 
+def _load_lfm2(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.lfm2 import load_lfm2
+
+    return load_lfm2(path, cfg, *read_weights(path))
+
+
+register("lfm2", _load_lfm2, "LFM2: transformers format (model_type lfm2), a hybrid of gated "
+         "short convolutions and attention")
+
+
+def _load_qwen3_next(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.qwen3_next import load_qwen3_next
+
+    return load_qwen3_next(path, cfg, *read_weights(path))
+
+
+register("qwen3_next", _load_qwen3_next, "Qwen3-Next: transformers format (model_type "
+         "qwen3_next), Gated DeltaNet and gated attention layers, MoE MLPs")
+
+
+def _load_bamba(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.bamba import load_bamba
+
+    return load_bamba(path, cfg, *read_weights(path))
+
+
+register("bamba", _load_bamba, "Bamba: transformers format (model_type bamba), a hybrid of "
+         "Mamba2 and attention layers")
+
+
+def _load_granite_hybrid(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.granite_hybrid import load_granite_hybrid
+
+    return load_granite_hybrid(path, cfg, *read_weights(path))
+
+
+register("granitemoehybrid", _load_granite_hybrid, "Granite-4.0-H: transformers format "
+         "(model_type granitemoehybrid), Mamba2 and attention layers with a shared MLP and "
+         "optional experts")
+
+
 def _load_jamba(path: Path, cfg: dict, layout: str) -> nn.Module:
     from mcserve.models.jamba import load_jamba
 
@@ -471,6 +512,16 @@ def _load_jamba(path: Path, cfg: dict, layout: str) -> nn.Module:
 
 register("jamba", _load_jamba, "Jamba: transformers format (model_type jamba), a hybrid of Mamba "
          "(v1) layers, attention layers and MoE MLPs")
+
+
+def _load_nemotron_h(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.nemotron_h import load_nemotron_h
+
+    return load_nemotron_h(path, cfg, *read_weights(path))
+
+
+register("nemotron_h", _load_nemotron_h, "Nemotron-H: transformers format (model_type "
+         "nemotron_h), a hybrid of Mamba2, attention and MLP/MoE layers")
 
 
 def _load_rwkv7(path: Path, cfg: dict, layout: str) -> nn.Module:

@@ -57,6 +57,10 @@ _ENGINE_HELP = {
                          "--state-cache-mib; none for variants that cache nothing"),
     "state_cache_mib": ("memory budget in MiB of the state cache (segment blocks, sized "
                         "automatically, and resume points)", None),
+    "kv_cache_mib": ("hybrid models: memory budget in MiB of the attention layers' paged KV "
+                     "cache", None),
+    "kv_block_size": ("hybrid models: tokens per block of the paged KV cache", None),
+    "num_kv_blocks": ("hybrid models: blocks of the paged KV cache", "--kv-cache-mib's worth"),
     "cpu_packed_weights": ("on CPU, run linear layers through oneDNN-packed copies of their "
                            "weights (faster, twice the weight memory)", None),
     "enforce_eager": ("on CUDA, run the decode step eagerly instead of replaying CUDA graphs "

@@ -1,0 +1,96 @@
+"""Causal attention over a cached KV plus new tokens: the attention layers of hybrid models.
+
+Two forms with the same signatures, and a test comparing them (tests/test_attention.py):
+
+* ``attend`` (fast: ``scaled_dot_product_attention`` with grouped-query heads) and
+  ``naive_attend`` (an explicit float32 softmax, its twin): queries ``(B, T, H, D)`` of the
+  tokens at positions ``pos0 .. pos0 + T - 1`` against keys and values ``(B, S, Hkv, D)`` of
+  positions ``0 .. S - 1`` (S = pos0 + T), causal;
+* ``attend_decode`` and ``naive_attend_decode``: one query per row ``(B, 1, H, D)`` against
+  that row's first ``lengths[b]`` keys of a padded ``(B, S, Hkv, D)``.
+
+The paged KV pool (``write_pages``, ``gather_pages``): keys and values of one layer are
+``(num_blocks, block_size, Hkv, D)``; a sequence's tokens live in the blocks its table lists,
+token p in block ``table[p // block_size]`` at row ``p % block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _causal_mask(T: int, S: int, device: torch.device) -> Tensor:
+    """(T, S) bool: query t (position S - T + t) sees keys 0 .. S - T + t."""
+    q = torch.arange(S - T, S, device=device)
+    return torch.arange(S, device=device)[None, :] <= q[:, None]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q ``(B, T, H, D)``, k, v ``(B, S, Hkv, D)`` with S ≥ T: the T queries are the last T
+    positions; causal. → ``(B, T, H, D)``."""
+    T, S = q.shape[1], k.shape[1]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    gqa = q.shape[2] != k.shape[2]
+    if T == S:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+    elif T == 1:
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_causal_mask(T, S, q.device),
+                                           scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2)
+
+
+def naive_attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """``attend``'s twin: the scores, mask and softmax written out, in float32."""
+    T, S, H, Hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    rep = H // Hkv
+    kf = k.float().repeat_interleave(rep, dim=2)
+    vf = v.float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q.float(), kf) * scale
+    s = s.masked_fill(~_causal_mask(T, S, q.device), float("-inf"))
+    o = torch.einsum("bhts,bshd->bthd", s.softmax(-1), vf)
+    return o.to(q.dtype)
+
+
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    """q ``(B, 1, H, D)``; k, v ``(B, S, Hkv, D)`` padded; row b sees keys ``0 ..
+    lengths[b] - 1`` (its own token included). → ``(B, 1, H, D)``."""
+    S = k.shape[1]
+    mask = (torch.arange(S, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def naive_attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float
+                        ) -> Tensor:
+    """``attend_decode``'s twin: each row alone through ``naive_attend``."""
+    rows = [naive_attend(q[b:b + 1], k[b:b + 1, :int(n)], v[b:b + 1, :int(n)], scale)
+            for b, n in enumerate(lengths.tolist())]
+    return torch.cat(rows)
+
+
+def write_pages(pool: Tensor, slots: Tensor, x: Tensor) -> None:
+    """Write token rows ``x`` ``(n, Hkv, D)`` into ``pool`` ``(num_blocks, block_size, Hkv,
+    D)`` at flat rows ``slots`` ``(n,)`` (block · block_size + offset)."""
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x.to(pool.dtype))
+
+
+def gather_pages(pool: Tensor, table: Tensor, n: int) -> Tensor:
+    """A sequence's first ``n`` token rows ``(n, Hkv, D)`` from the blocks ``table`` lists."""
+    bs = pool.shape[1]
+    nb = -(-n // bs)
+    return pool.index_select(0, table[:nb]).reshape(-1, *pool.shape[2:])[:n]
+
+
+def gather_pages_batch(pool: Tensor, tables: Tensor) -> Tensor:
+    """Every row's blocks ``(B, N · block_size, Hkv, D)`` from padded tables ``(B, N)`` (-1:
+    no block; read as block 0 and masked by the caller)."""
+    B, N = tables.shape
+    got = pool.index_select(0, tables.clamp_min(0).reshape(-1))  # (B·N, bs, Hkv, D)
+    return got.view(B, N * pool.shape[1], *pool.shape[2:])

@@ -1,0 +1,134 @@
+"""Hybrid models in the engine (every family of tests/hybrid_models): the attention layers on the
+paged KV cache beside the recurrent state cache. Greedy tokens and logprobs against transformers'
+full forward (teacher-forced), chunked prefill, batch invariance, resume points (the recurrent
+state and the KV of one token restored together) checked against a fresh engine, preemption,
+abort, and pools whole afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_models import FAMILIES
+
+from mcserve.config import EngineConfig
+from mcserve.engine.llm_engine import LLMEngine
+from mcserve.engine.sampling import SamplingParams
+
+N_NEW = 10
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    ref = FAMILIES[request.param].save_tiny(path)
+    return str(path), ref
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    args = dict(model=path, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_mib=4,
+                state_cache_mib=64, kv_block_size=16)
+    args.update(kw)
+    return LLMEngine(EngineConfig(**args))
+
+
+def _prompts(V: int, lens=(5, 40, 77, 13), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+
+
+def _run(eng: LLMEngine, prompts, tag: str = "r", **kw):
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=1)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}{i}", None, params, prompt_token_ids=p, **kw)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return [outs[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def _assert_whole(eng: LLMEngine) -> None:
+    assert eng.cache.is_whole()
+    held = eng.resume.kv_held if eng.resume is not None else 0
+    assert eng.kv.is_whole(held), (eng.kv.num_free, held, eng.kv.num_blocks)
+
+
+@torch.no_grad()
+def _check_against_reference(ref, prompt: list[int], out) -> None:
+    toks = out.outputs[0].token_ids
+    lp = ref(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    assert toks == lp.argmax(-1).tolist()
+    got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(toks)])
+    torch.testing.assert_close(got, lp[torch.arange(len(toks)), toks], atol=1e-4, rtol=0)
+
+
+def test_batched_chunked_decode_matches_transformers(family):
+    path, ref = family
+    prompts = _prompts(ref.config.vocab_size)
+    eng = _engine(path)
+    assert "kv_cache=" in eng.describe()
+    for p, out in zip(prompts, _run(eng, prompts), strict=True):
+        _check_against_reference(ref, p, out)
+    _assert_whole(eng)
+
+
+def test_each_alone_equals_batched(family):
+    path, ref = family
+    prompts = _prompts(ref.config.vocab_size, (9, 31, 3), seed=1)
+    together = [o.outputs[0].token_ids for o in _run(_engine(path), prompts)]
+    eng = _engine(path, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    alone = [_run(eng, [p], tag=f"a{i}")[0].outputs[0].token_ids for i, p in enumerate(prompts)]
+    assert together == alone
+
+
+def test_next_turn_resumes_with_kv_and_state_of_one_token(family):
+    path, ref = family
+    V = ref.config.vocab_size
+    eng = _engine(path)
+    fresh = _engine(path, enable_prefix_caching=False)
+    sys_prompt = _prompts(V, (37,), seed=2)[0]
+    turn1 = sys_prompt + [1, 2, 3]
+    out1 = _run(eng, [turn1], tag="t1")[0]
+    # the next turn sends the conversation back with a new message: the engine resumes at the
+    # end of the first request (prompt + generated but the last token), a point inside a KV
+    # block (partial block copied), and computes only the rest
+    turn2 = turn1 + out1.outputs[0].token_ids + [4, 5, 6, 7]
+    out2 = _run(eng, [turn2], tag="t2")[0]
+    assert out2.num_cached_tokens == len(turn1) + N_NEW - 1
+    assert (len(turn1) + N_NEW - 1) % eng.kv.block_size  # inside a block
+    want = _run(fresh, [turn2], tag="f")[0]
+    assert out2.outputs[0].token_ids == want.outputs[0].token_ids
+    _check_against_reference(ref, turn2, out2)
+    # a message end asked for: two users with one system prompt resume there
+    users = [sys_prompt + [7, 8], sys_prompt + [9]]
+    _run(eng, [users[0]], tag="u0", resume_positions=[len(sys_prompt)])
+    got = _run(eng, [users[1]], tag="u1")[0]
+    assert got.num_cached_tokens == len(sys_prompt)
+    assert got.outputs[0].token_ids == _run(fresh, [users[1]], tag="fu")[0].outputs[0].token_ids
+    _assert_whole(eng)
+    _assert_whole(fresh)
+
+
+def test_preemption_under_a_small_kv_pool_gives_the_same_tokens(family):
+    path, ref = family
+    prompts = _prompts(ref.config.vocab_size, (60, 45, 70, 50), seed=3)
+    want = [o.outputs[0].token_ids for o in _run(_engine(path), prompts)]
+    eng = _engine(path, num_kv_blocks=14)  # room for about two of the four at once
+    got = _run(eng, prompts)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert eng.scheduler.num_preemptions > 0
+    _assert_whole(eng)
+
+
+def test_abort_returns_the_kv_blocks(family):
+    path, ref = family
+    eng = _engine(path, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    eng.add_request("x", None, params, prompt_token_ids=_prompts(ref.config.vocab_size, (70,))[0])
+    for _ in range(4):
+        eng.step()
+    assert eng.kv.num_free < eng.kv.num_blocks
+    eng.abort_request("x")
+    eng.step()
+    _assert_whole(eng)
