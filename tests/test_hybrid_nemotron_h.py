@@ -1,0 +1,183 @@
+"""Nemotron-H specifics (tests/test_hybrid_models.py runs the shared checks on the fixture
+tests/hybrid_models/nemotron_h.py): the options the fixture leaves at their defaults (MoE latent
+projections, biases, another MLP activation), the older config keys, a tied checkpoint, the
+``mtp.*`` tensors transformers ignores, post-hoc MC on the Mamba2 layers, and the errors for
+what is not supported."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hybrid_models import nemotron_h as fixture  # noqa: E402
+
+from mcserve.models.checkpoint import CheckpointError  # noqa: E402
+from mcserve.models.registry import load_model  # noqa: E402
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotron_h")
+    return path, fixture.save_tiny(path)
+
+
+def _ids(T: int, seed: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 97, (batch, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _rewrite(src: Path, dst: Path, *, config=None, tensors=None) -> Path:
+    """A copy of the checkpoint ``src`` with its config and/or tensors changed."""
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    sd = load_file(str(src / "model.safetensors"))
+    if config:
+        config(cfg)
+    if tensors:
+        sd = tensors(sd)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+@torch.no_grad()
+def test_latent_moe_biases_and_relu_match_transformers(tmp_path):
+    ref = fixture.save_tiny(tmp_path, seed=1, moe_latent_size=24, mlp_bias=True, use_bias=True,
+                            use_conv_bias=False, mlp_hidden_act="relu", n_group=1,
+                            num_experts_per_tok=3, norm_topk_prob=False, layer_norm_epsilon=1e-6)
+    with torch.no_grad():  # the biases start at zero
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    c = ours.config
+    assert (c.moe_latent_size, c.mlp_bias, c.use_bias, c.mlp_act) == (24, True, True, "relu")
+    assert ours.blocks[0].mixer.in_proj.bias is not None and ours.blocks[0].mixer.conv1d.bias \
+        is None
+    ids = _ids(21, 0)
+    torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_older_config_keys(tiny, tmp_path):
+    path, ref = tiny
+
+    def old(cfg):
+        cfg["hybrid_override_pattern"] = "".join(
+            {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}[t]
+            for t in cfg.pop("layers_block_type"))
+        for new, key in (("n_groups", "mamba_n_groups"), ("conv_kernel", "mamba_d_conv"),
+                         ("use_conv_bias", "mamba_conv_bias"), ("time_step_min", "mamba_dt_min")):
+            cfg[key] = cfg.pop(new)
+
+    ours = load_model(_rewrite(path, tmp_path / "old", config=old))
+    assert ours.config.pattern == "M*E-M*E" and ours.config.n_groups == 2
+    ids = _ids(13, 1)
+    torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
+
+    def legacy_names(cfg):
+        cfg["layers_block_type"] = [{"linear_attention": "mamba", "full_attention": "attention"}
+                                    .get(t, t) for t in cfg["layers_block_type"]]
+
+    ours = load_model(_rewrite(path, tmp_path / "legacy", config=legacy_names))
+    assert ours.config.pattern == "M*E-M*E"
+
+
+@torch.no_grad()
+def test_tied_checkpoint_and_mtp_tensors(tiny, tmp_path):
+    path, ref = tiny
+
+    def tie(cfg):
+        cfg["tie_word_embeddings"] = True
+
+    def no_head_and_mtp(sd):
+        sd.pop("lm_head.weight")
+        sd["mtp.layers.0.norm.weight"] = torch.ones(64)
+        return sd
+
+    ours = load_model(_rewrite(path, tmp_path / "t", config=tie, tensors=no_head_and_mtp))
+    assert ours.lm_head.weight is ours.embed.weight
+    # a head stored beside tie_word_embeddings is used as is (transformers ties nothing here)
+    ours = load_model(_rewrite(path, tmp_path / "t2", config=tie))
+    assert ours.lm_head.weight is not ours.embed.weight
+    ids = _ids(5, 2)
+    torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["grm", "post"])
+def test_mc_override_on_the_mamba2_layers(tiny, variant):
+    path, _ = tiny
+    plain = load_model(path)
+    ours = load_model(path, mc_overrides={"mc_variant": variant, "segment_len": 8})
+    mixers = [b.mixer for b in ours.blocks if b.mixer is not None]
+    assert len(mixers) == 2 and all(m.memory.cfg.variant == variant for m in mixers)
+    assert ours.config.mc_variant == variant and ours.config.segment_len == 8
+    ids = _ids(27, 3, batch=1)
+    full, _ = ours(ids)
+    state, outs = None, []
+    for a, b in [(0, 10), (10, 11), (11, 12), (12, 27)]:
+        o, state = ours(ids[:, a:b], state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=ATOL, rtol=0)
+    # the first segment is the model as trained; MC changes what the Mamba2 layers read after it
+    want, _ = plain(ids)
+    torch.testing.assert_close(full[:, :8], want[:, :8], atol=ATOL, rtol=0)
+    seen = []
+    for model in (plain, ours):
+        hook = model.blocks[0].mixer.register_forward_hook(lambda m, i, o: seen.append(o[0]))
+        model(ids)
+        hook.remove()
+    torch.testing.assert_close(seen[1][:, :8], seen[0][:, :8], atol=1e-6, rtol=0)
+    assert (seen[1][:, 8:] - seen[0][:, 8:]).abs().max() > 1e-3 * seen[0].abs().max()
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda c: c.update(layers_block_type=["linear_attention", "sliding_attention"]),
+     "layers_block_type"),
+    (lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="M*X")),
+     "hybrid_override_pattern"),
+    (lambda c: c.pop("layers_block_type"), "layers_block_type"),
+    (lambda c: c.update(mamba_hidden_act="gelu"), "mamba_hidden_act"),
+    (lambda c: c.update(mlp_hidden_act="tanh"), "mlp_hidden_act"),
+    (lambda c: c.update(layers_block_type=["full_attention", "mlp"] * 3 + ["moe"]),
+     "without Mamba2 layers"),
+    (lambda c: c.update(num_experts_per_tok=4), "top_k"),
+])
+def test_unsupported_configs_are_refused(tiny, tmp_path, change, needle):
+    path, _ = tiny
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(_rewrite(path, tmp_path / "bad", config=change))
+
+
+def test_bad_tensors_are_refused(tiny, tmp_path):
+    path, _ = tiny
+
+    def extra(sd):
+        sd["backbone.layers.0.mixer.extra"] = torch.zeros(3)
+        return sd
+
+    with pytest.raises(CheckpointError, match="backbone.layers.0.mixer.extra"):
+        load_model(_rewrite(path, tmp_path / "extra", tensors=extra))
+
+    def gap(sd):
+        sd.pop("backbone.layers.2.mixer.experts.3.up_proj.weight")
+        return sd
+
+    with pytest.raises(CheckpointError, match="expert 3"):
+        load_model(_rewrite(path, tmp_path / "gap", tensors=gap))
+
+    def missing(sd):
+        sd.pop("backbone.layers.1.mixer.k_proj.weight")
+        return sd
+
+    with pytest.raises(CheckpointError, match="backbone.layers.1.mixer.k_proj.weight"):
+        load_model(_rewrite(path, tmp_path / "missing", tensors=missing))
