@@ -203,16 +203,17 @@ class BambaForCausalLM(RebuildsUnderMC, HybridLM):
 
 
 # ---------------------------------------------------------------------------- loading
-def hf_mamba_fields(cfg: dict, file: Path) -> dict[str, Any]:
+def hf_mamba_fields(cfg: dict, file: Path, kv_heads: int | None = None) -> dict[str, Any]:
     """The Mamba2-layer, attention-shape and token fields Bamba's and Granite-4.0-H's
-    transformers configs share (their defaults), as ``BambaConfig`` keyword arguments."""
+    transformers configs share (their defaults), as ``BambaConfig`` keyword arguments.
+    ``kv_heads``: the family's default ``num_key_value_heads`` (None: as many as the heads)."""
     require_keys(cfg, file, ("hidden_size", "num_hidden_layers", "vocab_size",
                              "num_attention_heads"))
     D, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
-    kv = cfg.get("num_key_value_heads") or heads
+    kv = cfg.get("num_key_value_heads", kv_heads) or heads
     expand = cfg.get("mamba_expand", 2)
     m_heads = cfg.get("mamba_n_heads", 128)
     m_dim = cfg.get("mamba_d_head", "auto")
@@ -257,7 +258,7 @@ def hf_rope(cfg: dict, *, partial: float | None) -> dict[str, Any]:
 def bamba_config_from_hf(cfg: dict, file: Path) -> BambaConfig:
     """A ``BambaConfig`` from transformers' ``BambaConfig`` dict (its defaults)."""
     n = cfg.get("num_hidden_layers")
-    fields = hf_mamba_fields(cfg, file)
+    fields = hf_mamba_fields(cfg, file, kv_heads=8)  # transformers' BambaConfig default
     idx = cfg.get("attn_layer_indices") or []
     if isinstance(n, int) and any(not isinstance(i, int) or not 0 <= i < n for i in idx):
         raise CheckpointError(f"{file}: attn_layer_indices {idx} must be layer indices in "
