@@ -132,3 +132,33 @@ def test_abort_returns_the_kv_blocks(family):
     eng.abort_request("x")
     eng.step()
     _assert_whole(eng)
+
+
+MC_FAMILIES = sorted(f for f in FAMILIES if f != "lfm2")  # LFM2's convolutions keep no memory
+
+
+@pytest.mark.parametrize("fam", MC_FAMILIES)
+@torch.no_grad()
+def test_post_hoc_mc_on_the_recurrent_layers(fam, tmp_path):
+    """grm over 16-token segments on the recurrent layers (segment blocks in the pool) with the
+    attention layers on the KV pool: the engine's greedy tokens are the model's own (full
+    forward under the same MC), and a resumed next turn equals a fresh engine's."""
+    from mcserve.models.registry import load_model
+
+    ref = FAMILIES[fam].save_tiny(tmp_path)
+    mc = dict(mc_variant="grm", segment_len=16)
+    model = load_model(tmp_path, mc_overrides=mc)
+    eng = _engine(str(tmp_path), **mc)
+    assert eng.num_state_blocks > 0
+    prompts = _prompts(ref.config.vocab_size, (21, 50), seed=4)
+    outs = _run(eng, prompts)
+    for p, out in zip(prompts, outs, strict=True):
+        toks = out.outputs[0].token_ids
+        logits, _ = model(torch.tensor([p + toks]))
+        assert toks == logits[0, len(p) - 1:-1].argmax(-1).tolist()
+    turn2 = prompts[1] + outs[1].outputs[0].token_ids + [3, 1, 4]
+    got = _run(eng, [turn2], tag="t")[0]
+    assert got.num_cached_tokens > 0
+    fresh = _engine(str(tmp_path), enable_prefix_caching=False, **mc)
+    assert got.outputs[0].token_ids == _run(fresh, [turn2], tag="f")[0].outputs[0].token_ids
+    _assert_whole(eng)

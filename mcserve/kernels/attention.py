@@ -58,9 +58,14 @@ def naive_attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float) -> Tensor:
     """q ``(B, 1, H, D)``; k, v ``(B, S, Hkv, D)`` padded; row b sees keys ``0 ..
-    lengths[b] - 1`` (its own token included). → ``(B, 1, H, D)``."""
+    lengths[b] - 1`` (its own token included). → ``(B, 1, H, D)``. What lies past a row's
+    length (stale rows of a reused block, another block's padding) is never read, even if it is
+    not finite."""
     S = k.shape[1]
-    mask = (torch.arange(S, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    valid = torch.arange(S, device=q.device)[None, :] < lengths[:, None]  # (B, S)
+    k = k.masked_fill(~valid[:, :, None, None], 0)
+    v = v.masked_fill(~valid[:, :, None, None], 0)
+    mask = valid[:, None, None, :]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[2] != k.shape[2])
