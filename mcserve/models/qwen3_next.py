@@ -1,8 +1,11 @@
-"""Qwen3-Next (model_type ``qwen3_next``) and Qwen3.5's language model (``qwen3_5_text``, and the
-text part of a ``qwen3_5`` image-text checkpoint): Gated DeltaNet layers and gated attention.
+"""Qwen3-Next (model_type ``qwen3_next``) and Qwen3.5's language models (``qwen3_5_text``,
+``qwen3_5_moe_text``, and the text part of the ``qwen3_5`` / ``qwen3_5_moe`` image-text
+checkpoints): Gated DeltaNet layers and gated attention.
 
-Reads the directories transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` /
-``Qwen3_5ForConditionalGeneration`` ``save_pretrained`` writes. Per layer (``layer_types``:
+Reads the directories transformers' ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``,
+``Qwen3_5MoeForCausalLM`` and ``Qwen3_5(Moe)ForConditionalGeneration`` ``save_pretrained``
+write (the image-text ones: ``text_config`` and the ``model.language_model.*`` tensors; the
+vision tower is not loaded). Per layer (``layer_types``:
 ``linear_attention`` or ``full_attention``), as transformers' modeling files compute it:
 
     x → input_layernorm → (Gated DeltaNet | gated attention) → + x
@@ -30,7 +33,8 @@ then the final norm and the LM head (tied to the embedding with ``tie_word_embed
 * MLPs: Qwen3-Next's layer i is a sparse MoE (softmax router, top-k renormalised with
   ``norm_topk_prob``, a shared expert gated by sigmoid(``shared_expert_gate``)) when
   ``num_experts > 0``, i is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` is
-  0, else a SwiGLU MLP; Qwen3.5's text model is dense.
+  0, else a SwiGLU MLP; Qwen3.5's text model is dense, Qwen3.5-MoE's is sparse in every layer
+  (always renormalised).
 
 Post-hoc MC applies to the Gated DeltaNet layers (their memories run under ``MCMemory``; u = q,
 no weights added); the attention layers keep their whole KV. ``mc_variant="none"`` is the
@@ -71,7 +75,9 @@ from mcserve.models.memory.delta import GatedDeltaMemory
 from mcserve.models.state import LayerState
 
 DEFAULT_SEGMENT_LEN = 2048
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+#: image-text checkpoints whose language model (``text_config``) is served
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 _L2_EPS = 1e-6  # transformers' / fla's l2norm: x / sqrt(sum(x^2) + eps)
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -334,16 +340,17 @@ def qwen3_next_config_from_hf(cfg: dict, file: Path) -> Qwen3NextConfig:
     (``model_type`` ``qwen3_next`` / ``qwen3_5_text``; transformers' defaults for absent keys),
     or from a ``qwen3_5`` image-text config's ``text_config``."""
     mt = cfg.get("model_type")
-    if mt == "qwen3_5":
+    if mt in WRAPPERS:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
-            raise CheckpointError(f"{file}: a qwen3_5 config needs a 'text_config' object")
+            raise CheckpointError(f"{file}: a {mt} config needs a 'text_config' object")
         tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        cfg = {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
-        mt = "qwen3_5_text"
+        mt = WRAPPERS[mt]
+        cfg = {**text, "model_type": mt, "tie_word_embeddings": tie}
     if mt not in MODEL_TYPES:
-        raise CheckpointError(f"{file}: model_type {mt!r} is not one of {MODEL_TYPES}")
-    qwen35 = mt == "qwen3_5_text"
+        raise CheckpointError(f"{file}: model_type {mt!r} is not one of "
+                              f"{MODEL_TYPES + tuple(WRAPPERS)}")
+    qwen35 = mt != "qwen3_next"
     require_keys(cfg, file, ("hidden_size", "num_hidden_layers", "vocab_size",
                              "num_attention_heads"))
     act = _get(cfg, "hidden_act", "silu")
@@ -360,23 +367,28 @@ def qwen3_next_config_from_hf(cfg: dict, file: Path) -> Qwen3NextConfig:
     rope.setdefault("rope_theta", _get(cfg, "rope_theta", 10000.0))
     rope.setdefault("partial_rotary_factor", _get(cfg, "partial_rotary_factor", 0.25))
     rope.setdefault("rope_type", rope.get("type", "default"))
-    if qwen35:
+    if mt == "qwen3_5_text":  # dense
         moe: dict[str, Any] = {"num_experts": 0}
+        inter = _get(cfg, "intermediate_size", 12288)
     else:
-        moe = dict(num_experts=_get(cfg, "num_experts", 512),
-                   num_experts_per_tok=_get(cfg, "num_experts_per_tok", 10),
+        moe = dict(num_experts=_get(cfg, "num_experts", 256 if qwen35 else 512),
+                   num_experts_per_tok=_get(cfg, "num_experts_per_tok", 8 if qwen35 else 10),
                    moe_intermediate_size=_get(cfg, "moe_intermediate_size", 512),
                    shared_expert_intermediate_size=_get(cfg, "shared_expert_intermediate_size",
-                                                        512),
-                   norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
-                   decoder_sparse_step=_get(cfg, "decoder_sparse_step", 1),
-                   mlp_only_layers=tuple(_get(cfg, "mlp_only_layers", ())))
+                                                        512))
+        if qwen35:  # Qwen3.5-MoE: every layer sparse, the top-k always renormalised
+            inter = moe["moe_intermediate_size"]  # no dense MLP
+        else:
+            inter = _get(cfg, "intermediate_size", 5632)
+            moe.update(norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
+                       decoder_sparse_step=_get(cfg, "decoder_sparse_step", 1),
+                       mlp_only_layers=tuple(_get(cfg, "mlp_only_layers", ())))
     train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
     try:
         return Qwen3NextConfig(
             model_type=mt, vocab_size=cfg["vocab_size"], d_model=D, n_layers=n,
             layer_types=tuple(types), n_heads=heads,
-            n_kv_heads=_get(cfg, "num_key_value_heads", 4 if qwen35 else 2),
+            n_kv_heads=_get(cfg, "num_key_value_heads", 4 if mt == "qwen3_5_text" else 2),
             head_dim=_get(cfg, "head_dim", 256),
             attention_bias=bool(_get(cfg, "attention_bias", False)), rope=rope,
             lin_k_heads=_get(cfg, "linear_num_key_heads", 16),
@@ -384,7 +396,7 @@ def qwen3_next_config_from_hf(cfg: dict, file: Path) -> Qwen3NextConfig:
             lin_key_dim=_get(cfg, "linear_key_head_dim", 128),
             lin_value_dim=_get(cfg, "linear_value_head_dim", 128),
             conv_size=_get(cfg, "linear_conv_kernel_dim", 4), split_proj=qwen35,
-            intermediate_size=_get(cfg, "intermediate_size", 12288 if qwen35 else 5632),
+            intermediate_size=inter,
             norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
             tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=train_len, bos_token_id=cfg.get("bos_token_id"),
@@ -476,7 +488,7 @@ def load_qwen3_next(path: Path, cfg: dict, stored: dict[str, Tensor], origin: di
     dict and tensors; every mismatch is a ``CheckpointError`` naming the file and tensor."""
     file = path / "config.json"
     qcfg = qwen3_next_config_from_hf(cfg, file)
-    if cfg.get("model_type") == "qwen3_5":  # the language model inside the image-text model
+    if cfg.get("model_type") in WRAPPERS:  # the language model inside the image-text model
         lm = "model.language_model."
         stored = {("model." + k[len(lm):] if k.startswith(lm) else k): t
                   for k, t in stored.items()}

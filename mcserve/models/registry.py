@@ -481,6 +481,14 @@ def _load_qwen3_next(path: Path, cfg: dict, layout: str) -> nn.Module:
 
 register("qwen3_next", _load_qwen3_next, "Qwen3-Next: transformers format (model_type "
          "qwen3_next), Gated DeltaNet and gated attention layers, MoE MLPs")
+register("qwen3_5_text", _load_qwen3_next, "Qwen3.5 language model: transformers format "
+         "(Qwen3_5ForCausalLM), Gated DeltaNet and gated attention layers, dense MLPs")
+register("qwen3_5_moe_text", _load_qwen3_next, "Qwen3.5-MoE language model: transformers format "
+         "(Qwen3_5MoeForCausalLM), Gated DeltaNet and gated attention layers, MoE MLPs")
+register("qwen3_5", _load_qwen3_next, "Qwen3.5 image-text checkpoint: its language model only "
+         "(text_config; the vision tower is not loaded)")
+register("qwen3_5_moe", _load_qwen3_next, "Qwen3.5-MoE image-text checkpoint: its language "
+         "model only (text_config; the vision tower is not loaded)")
 
 
 def _load_bamba(path: Path, cfg: dict, layout: str) -> nn.Module:
