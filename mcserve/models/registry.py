@@ -532,6 +532,16 @@ register("nemotron_h", _load_nemotron_h, "Nemotron-H: transformers format (model
          "nemotron_h), a hybrid of Mamba2, attention and MLP/MoE layers")
 
 
+def _load_falcon_h1(path: Path, cfg: dict, layout: str) -> nn.Module:
+    from mcserve.models.falcon_h1 import load_falcon_h1
+
+    return load_falcon_h1(path, cfg, *read_weights(path))
+
+
+register("falcon_h1", _load_falcon_h1, "Falcon-H1: transformers format (model_type falcon_h1), "
+         "Mamba2 and attention side by side in every layer")
+
+
 def _load_rwkv7(path: Path, cfg: dict, layout: str) -> nn.Module:
     from mcserve.models.rwkv7 import from_blinkdl, from_fla
 
