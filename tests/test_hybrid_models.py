@@ -71,3 +71,24 @@ def test_greedy_tokens_match_transformers(pair):
         tok = logits[:, -1:].argmax(-1)
         got.append(int(tok))
     assert got == want
+
+
+def test_eval_ppl_runs_with_post_hoc_mc(pair, tmp_path):
+    """``mcserve eval ppl`` on the family, the model as trained beside post-hoc MC on its
+    recurrent layers (LFM2: as trained only; its convolutions keep no memory)."""
+    import json
+
+    from mcserve.cli import main
+
+    ref, ours, V = pair
+    path = tmp_path / "m"
+    ref.save_pretrained(path)
+    text = tmp_path / "text.txt"
+    text.write_text("THE GRASS IS GREEN AND THE SKY IS BLUE. " * 20)  # byte ids below 97
+    out = tmp_path / "ppl.json"
+    args = ["eval", "ppl", str(path), "--data", str(text), "--lengths", "48", "--no-progress",
+            "--json", str(out)]
+    mc = ref.config.model_type != "lfm2"
+    assert main(args + ["--mc", "post:16,grm:16" if mc else ""]) == 0
+    rows = json.dumps(json.loads(out.read_text()))
+    assert ("grm" in rows) == mc

@@ -196,11 +196,14 @@ class EvalModel:
         self.chunk = chunk
 
     def _reset(self, state):
-        from mcserve.models.state import LayerState, ModelState
+        from dataclasses import replace
+
+        from mcserve.models.state import LayerState
 
         B = state.layers[0].mc.seg_ksum.shape[0]
         m = self.model
-        return ModelState([
+        # the recurrent layers' memory restarts; conv tails (and a hybrid's attention KV) stay
+        return replace(state, layers=[
             LayerState(blk.mixer.init_state(B, m.dtype, m.device).mc, ls.conv)
             for blk, ls in zip(m.layers, state.layers, strict=True)
         ])
