@@ -42,7 +42,6 @@ from mcserve.models.attention import Attention, Rotary, rotary_from_config
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.hybrid import HybridBlock, HybridLM
 from mcserve.models.importing import (
-    GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
     check_positive_ints,
@@ -51,7 +50,7 @@ from mcserve.models.importing import (
     mc_settings,
     require_keys,
 )
-from mcserve.models.layers import RMSNormF32
+from mcserve.models.layers import GatedMLP, RMSNormF32
 from mcserve.models.mamba2 import Mamba2Config, Mamba2Mixer
 
 DEFAULT_SEGMENT_LEN = 2048

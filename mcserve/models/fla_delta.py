@@ -49,7 +49,6 @@ from mcserve.models.base import RecurrentLM
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ConvInput,
-    GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
     causal_conv,
@@ -59,6 +58,7 @@ from mcserve.models.importing import (
     mc_settings,
 )
 from mcserve.models.importing import up as _up
+from mcserve.models.layers import GatedMLP
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.delta import DeltaMemory, GatedDeltaMemory
 from mcserve.models.state import LayerState

@@ -41,7 +41,6 @@ from mcserve.models.base import RecurrentLM
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ConvInput,
-    GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
     causal_conv,
@@ -52,6 +51,7 @@ from mcserve.models.importing import (
     require_keys,
     up,
 )
+from mcserve.models.layers import GatedMLP
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.gla import VectorGatedMemory
 from mcserve.models.state import LayerState

@@ -8,7 +8,8 @@ from here. This module imports none of them, so no import cycle runs through it.
 * :class:`ImportedConfig` and :class:`RebuildsUnderMC`: the config and model methods every
   imported family has (``mc``, ``to_dict``, ``replace``, ``from_dict``; ``with_mc``);
 * :func:`load_checked`: a renamed state dict loaded with every mismatch a ``CheckpointError``;
-* small layers several families use as they are (``up``, ``causal_conv``, ``GatedMLP``).
+* small pieces several families use as they are (``up``, ``causal_conv``); shared layers
+  live in ``layers.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import MCConfig
@@ -256,19 +256,3 @@ def causal_conv(inp: ConvInput, w: Tensor) -> Tensor:
         m = min(s, T)
         out[:, :m].addcmul_(tail[:, j:j + m], wt[j])
     return out
-
-
-class GatedMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) · up_proj(x)), fla's GatedMLP with ``hidden_act: swish``."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        # inference: in place on the gate projection's output (two fewer temporaries)
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))

@@ -44,7 +44,6 @@ from mcserve.models.attention import Attention
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.hybrid import HybridBlock, HybridLM
 from mcserve.models.importing import (
-    GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
     check_positive_ints,
@@ -54,7 +53,7 @@ from mcserve.models.importing import (
     require_keys,
     up,
 )
-from mcserve.models.layers import RMSNormF32
+from mcserve.models.layers import GatedMLP, RMSNormF32
 from mcserve.models.mamba1 import Mamba1Config, Mamba1Mixer
 from mcserve.models.moe import SparseMoE
 

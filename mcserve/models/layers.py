@@ -84,3 +84,19 @@ class SwiGLU(nn.Module):
             return self.down(F.silu(gate) * up)
         # inference: in place on the projection's output (two fewer (T, hidden) temporaries)
         return self.down(F.silu(gate, inplace=True).mul_(up))
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) · up_proj(x)), fla's GatedMLP with ``hidden_act: swish``."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # inference: in place on the gate projection's output (two fewer temporaries)
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))

@@ -32,7 +32,6 @@ from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.hybrid import HybridBlock, HybridLM
 from mcserve.models.importing import (
     ConvInput,
-    GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
     causal_conv,
@@ -42,7 +41,7 @@ from mcserve.models.importing import (
     mc_settings,
     require_keys,
 )
-from mcserve.models.layers import RMSNormF32
+from mcserve.models.layers import GatedMLP, RMSNormF32
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.none import NoMemory
 from mcserve.models.state import LayerState

@@ -58,7 +58,6 @@ from mcserve.models.attention import Attention, Rotary
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.hybrid import HybridBlock, HybridLM
 from mcserve.models.importing import (
-    GatedMLP,
     ImportedConfig,
     RebuildsUnderMC,
     check_positive_ints,
@@ -68,7 +67,7 @@ from mcserve.models.importing import (
     require_keys,
 )
 from mcserve.models.importing import up as _up
-from mcserve.models.layers import GatedRMSNorm
+from mcserve.models.layers import GatedMLP, GatedRMSNorm
 from mcserve.models.mamba2 import ConvSSMMixer
 from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.delta import GatedDeltaMemory
