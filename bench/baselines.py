@@ -6,7 +6,9 @@ The checkpoint is the 130M Mamba2 shape (hidden 768, 24 layers, state 128, head_
 vocab 50288) with random weights from transformers' own ``Mamba2ForCausalLM`` (seeded), saved
 once under ``$MCSERVE_BENCH_CACHE`` (default ``~/.cache/mcserve/bench``) with a word-level
 ``tokenizer.json`` so mcserve can serve it, and converted to GGUF (float32) with llama.cpp's
-``convert_hf_to_gguf.py`` from a copy without the tokenizer. Nothing is downloaded.
+``convert_hf_to_gguf.py`` from a copy without the tokenizer. Nothing is downloaded. The hybrid
+shapes of ``offline.py --compare --hybrids`` (an LFM2-350M-like and a Granite-4.0-H-350M-like
+one, at the end of this file) are built the same way from transformers' own classes.
 
 Every run does the same work: ``streams`` sequences, each a ``prompt_len``-token random prompt
 (same ids for every implementation) followed by ``new_tokens`` greedy tokens; the reported rate
@@ -202,14 +204,17 @@ class McserveEngineRunner:
 
 class TransformersRunner:
     """transformers ``Mamba2ForCausalLM.generate`` (greedy, its own cache; on CPU it runs the
-    torch fallback path, as it does for any user without the CUDA kernels)."""
+    torch fallback path, as it does for any user without the CUDA kernels). ``model_class``:
+    another transformers class (``AutoModelForCausalLM`` for the hybrids). Every stream's prompt
+    has the same length, so the batch needs no padding: one ``generate`` call for all streams."""
 
     name = "transformers"
 
-    def __init__(self, model_dir: Path):
-        from transformers import Mamba2ForCausalLM
+    def __init__(self, model_dir: Path, model_class: str = "Mamba2ForCausalLM"):
+        import transformers
 
-        self.model = Mamba2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        cls = getattr(transformers, model_class)
+        self.model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def run(self, ids: list[list[int]], new_tokens: int, repeats: int) -> Result:
         x = torch.tensor(ids)
@@ -247,9 +252,38 @@ def llama_cpp_src(arg: str | None) -> Path | None:
     return None
 
 
-def gguf_file(model_dir: Path, src: Path, outtype: str = "f32") -> Path:
+#: runs convert_hf_to_gguf.py (argv[1]: the llama.cpp folder, the rest its arguments) with every
+#: vocabulary writer of the converter replaced by llama.cpp's "no vocabulary" form (tokenizer
+#: model ``none`` and ``vocab_size`` dummy tokens): for architectures whose converter insists on
+#: a tokenizer the random checkpoints do not have (LFM2 needs a recognised BPE tokenizer; the
+#: built-in GPT-NeoX fallback of Mamba2 / Granite-H has 50k tokens, fewer than Granite's 100k)
+_CONVERT_NO_VOCAB = """
+import runpy, sys
+from pathlib import Path
+src = Path(sys.argv[1])
+sys.path[:0] = [str(src), str(src / "gguf-py")]
+from conversion.base import TextModel
+def no_vocab(self, *args, **kwargs):
+    self.gguf_writer.add_tokenizer_model("none")
+    self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
+for name in ("_set_vocab_gpt2", "_set_vocab_sentencepiece", "_set_vocab_builtin",
+             "_set_vocab_llama_hf", "_set_vocab_qwen"):
+    if hasattr(TextModel, name):
+        setattr(TextModel, name, no_vocab)
+sys.argv = [str(src / "convert_hf_to_gguf.py"), *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def gguf_file(model_dir: Path, src: Path, outtype: str = "f32", no_vocab: bool = False,
+              layer_names: dict[str, str] | None = None) -> Path:
     """``model_dir`` converted to a GGUF of ``outtype`` (``f32``, ``f16``, ``q8_0``: the
-    converter's own quantization) cached beside it; no tokenizer is written."""
+    converter's own quantization) cached beside it; no tokenizer is written. ``no_vocab``: the
+    GGUF says "no vocabulary" (``_CONVERT_NO_VOCAB``) instead of the converter's own fallback;
+    the benchmarks feed token ids, so nothing reads it. ``layer_names``: config.json's
+    ``layer_types`` renamed so for the converter (transformers 5 saves Granite-H's ``mamba`` /
+    ``attention`` as ``linear_attention`` / ``full_attention``, which the converter does not
+    read)."""
     out = model_dir.with_name(model_dir.name + f"-{outtype}.gguf")
     if out.is_file():
         return out
@@ -257,10 +291,15 @@ def gguf_file(model_dir: Path, src: Path, outtype: str = "f32") -> Path:
     shutil.rmtree(bare, ignore_errors=True)
     bare.mkdir()
     for f in model_dir.iterdir():
-        if f.name != "tokenizer.json":
+        if f.name == "config.json" and layer_names:
+            cfg = json.loads(f.read_text())
+            cfg["layer_types"] = [layer_names.get(t, t) for t in cfg["layer_types"]]
+            (bare / f.name).write_text(json.dumps(cfg, indent=2))
+        elif f.name != "tokenizer.json":
             os.link(f, bare / f.name)
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(bare), "--outtype", outtype,
-           "--outfile", str(out)]
+    convert = ([sys.executable, "-c", _CONVERT_NO_VOCAB, str(src)] if no_vocab
+               else [sys.executable, str(src / "convert_hf_to_gguf.py")])
+    cmd = [*convert, str(bare), "--outtype", outtype, "--outfile", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     shutil.rmtree(bare, ignore_errors=True)
     if r.returncode != 0 or not out.is_file():
@@ -547,3 +586,106 @@ def gated_deltanet_dir(shape: dict[str, Any] = GDN_130M, seed: int = 0) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+# ------------------------------------------------------------------------------ hybrids
+
+#: an LFM2-350M-like shape (LiquidAI/LFM2-350M's config): 1024 wide, 16 layers with attention at
+#: 2, 5, 8, 10, 12, 14 (full_attn_idxs) and gated short convs (3 taps) elsewhere, 16 heads of 64
+#: with 8 KV heads, block_ff_dim 6656 auto-adjusted as transformers' Lfm2MLP does (int(2/3 ·
+#: 6656) = 4437, rounded up to a multiple of 256: 4608), 65536-token vocabulary, tied embeddings
+LFM2_350M: dict[str, Any] = dict(
+    vocab_size=65536, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=8, intermediate_size=6656, block_auto_adjust_ff_dim=True,
+    block_ffn_dim_multiplier=1.0, block_multiple_of=256, conv_L_cache=3, norm_eps=1e-5,
+    layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+    max_position_embeddings=128000, tie_word_embeddings=True,
+)
+#: a few layers of the same width (one conv, one attention): the smoke runs
+LFM2_QUICK: dict[str, Any] = dict(LFM2_350M, num_hidden_layers=2, vocab_size=4096,
+                                  layer_types=["conv", "full_attention"])
+
+#: a Granite-4.0-H-350M-like shape (the values of ibm-granite/granite-4.0-h-350m's config as a
+#: published copy of it gives them): dense (num_local_experts 0: the shared SwiGLU MLP alone,
+#: shared_intermediate_size 2048), 768 wide, 32 layers with attention at 10, 13, 17, 27 and
+#: Mamba2 elsewhere (48 heads of 32 = 2 · 768, state 128, 1 group, conv 4, chunk 256), 12
+#: attention heads of 64 with 4 KV heads and no position embedding ("nope"), the µP multipliers
+#: (embedding 12, attention 1/64, logits scaling 3; residual left at transformers' 1.0),
+#: 100352-token vocabulary, tied embeddings, initializer_range 0.1 (the published value; at
+#: transformers' default 0.02 the 2-layer quick model repeats one token per stream)
+GRANITE_H_350M: dict[str, Any] = dict(
+    vocab_size=100352, hidden_size=768, num_hidden_layers=32, num_attention_heads=12,
+    num_key_value_heads=4, intermediate_size=2048, shared_intermediate_size=2048,
+    num_local_experts=0, num_experts_per_tok=0, mamba_n_heads=48, mamba_d_head=32,
+    mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+    mamba_conv_bias=True, mamba_proj_bias=False, position_embedding_type="nope",
+    embedding_multiplier=12.0, attention_multiplier=0.015625, logits_scaling=3.0,
+    layer_types=["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)],
+    max_position_embeddings=32768, tie_word_embeddings=True, initializer_range=0.1,
+)
+GRANITE_H_QUICK: dict[str, Any] = dict(GRANITE_H_350M, num_hidden_layers=2, vocab_size=4096,
+                                       layer_types=["mamba", "attention"])
+
+
+def _hybrid_dir(prefix: str, config_class: str, model_class: str, shape: dict[str, Any],
+                seed: int) -> Path:
+    name = (f"{prefix}-d{shape['hidden_size']}-l{shape['num_hidden_layers']}"
+            f"-v{shape['vocab_size']}-s{seed}")
+    out = cache_dir() / name
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_class)(**shape, bos_token_id=None, eos_token_id=None,
+                                              pad_token_id=0)
+    model = getattr(transformers, model_class)(cfg).eval()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    _word_tokenizer(shape["vocab_size"], tmp / "tokenizer.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def lfm2_dir(shape: dict[str, Any] = LFM2_350M, seed: int = 0) -> Path:
+    """The random-weight LFM2 checkpoint of ``shape`` (transformers' ``Lfm2ForCausalLM``,
+    seeded, ``save_pretrained``; word-level tokenizer.json; built on first use, then reused)."""
+    return _hybrid_dir("lfm2", "Lfm2Config", "Lfm2ForCausalLM", shape, seed)
+
+
+def granite_hybrid_dir(shape: dict[str, Any] = GRANITE_H_350M, seed: int = 0) -> Path:
+    """The random-weight Granite-4.0-H checkpoint of ``shape`` (transformers'
+    ``GraniteMoeHybridForCausalLM``, seeded, ``save_pretrained``; word-level tokenizer.json;
+    built on first use, then reused)."""
+    return _hybrid_dir("granite-h", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                       shape, seed)
+
+
+#: the layer names of the published Granite-4.0-H config.json files, which the converter reads
+GRANITE_LAYER_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
+def hybrid_llama_cpp_runner(model_dir: Path, src_arg: str | None, threads: int,
+                            layer_names: dict[str, str] | None = None
+                            ) -> tuple[LlamaCppRunner | None, str | None]:
+    """``llama_cpp_runner`` for a hybrid checkpoint: converted with no vocabulary (``gguf_file``
+    ``no_vocab``; ``layer_names`` as there), and a conversion or load failure is the column's
+    note, not the run's end."""
+    why = llama_cpp_missing()
+    src = llama_cpp_src(src_arg)
+    if why is None and src is None:
+        why = ("llama.cpp column skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src or set "
+               "LLAMA_CPP_SRC to the sdist's vendor/llama.cpp folder)")
+    if why is not None:
+        return None, why
+    try:
+        gguf = gguf_file(model_dir, src, no_vocab=True, layer_names=layer_names)
+    except RuntimeError as e:
+        lines = [x for x in str(e).splitlines() if x.strip()]
+        return None, f"llama.cpp column skipped: {lines[0]} {lines[-1] if len(lines) > 1 else ''}"
+    try:
+        return LlamaCppRunner(gguf, threads), None
+    except RuntimeError as e:
+        return None, f"llama.cpp column skipped: {e}"

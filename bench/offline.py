@@ -5,6 +5,7 @@
     python bench/offline.py --compare [--llama-cpp-src DIR]   # vs llama.cpp and transformers
     python bench/offline.py --compare --rwkv7   # RWKV-7 0.1B vs the rwkv package
     python bench/offline.py --compare --families   # RWKV-7, Gated DeltaNet, Mamba2 at ~0.1B
+    python bench/offline.py --compare --hybrids    # LFM2 and Granite-4.0-H at ~350M, 3 engines
 
 The model is ``--model DIR``, else the embedded default model, else a random model of the
 default model's shape. Both runs use the same engine settings except ``max_num_seqs``; the
@@ -42,6 +43,29 @@ weights: RWKV-7 0.1B (BlinkDL ``.pth``), a 130M-class fla Gated DeltaNet and the
 (``bench/baselines.py``), at each ``--streams`` count, each with the fused C++ state step and,
 for RWKV-7 and Gated DeltaNet, with the generic per-row step (``baselines.generic_step``) in the
 same run. Writes ``bench/results/offline_compare_families.json``.
+
+``--compare --hybrids`` times decode on two ~350M hybrid shapes with random weights, built and
+saved by transformers' own ``save_pretrained`` (nothing downloaded; ``bench/baselines.py``):
+
+* LFM2-350M-like (``Lfm2Config``): hidden 1024, 16 layers, attention at 2, 5, 8, 10, 12, 14 and
+  gated short convs (3 taps) elsewhere, 16 heads / 8 KV heads of 64, SwiGLU of 4608
+  (``intermediate_size`` 6656 through ``block_auto_adjust_ff_dim``: int(2/3 · 6656) rounded up
+  to a multiple of 256), vocabulary 65536, tied embeddings;
+* Granite-4.0-H-350M-like (``GraniteMoeHybridConfig``, dense: ``num_local_experts`` 0, the
+  shared SwiGLU MLP of 2048 alone): hidden 768, 32 layers, attention at 10, 13, 17, 27 (no
+  position embedding) and Mamba2 elsewhere (48 heads of 32, state 128, 1 group, conv 4), 12
+  heads / 4 KV heads of 64, Granite's multipliers (embedding 12, attention 1/64, logits 3),
+  vocabulary 100352, tied embeddings;
+
+each with mcserve (as-is, no MC), llama.cpp's batched decode (the checkpoint converted with
+``convert_hf_to_gguf.py`` from ``--llama-cpp-src`` or ``$LLAMA_CPP_SRC``, float32, no
+vocabulary; a shape it cannot convert or load gets a note saying why instead of its column) and
+transformers ``generate`` (greedy, every stream in one batched call: the prompts have one
+length, so no padding) at each ``--streams`` count (default 1, 8, 16; transformers at every
+count unless ``--tf-streams`` says otherwise), 16-token prompts and 64 greedy tokens, same
+threads, one run, medians of ``--repeats``. With ``--quick`` both models have 2 layers (one of
+each kind) and a 4096 vocabulary, 8 tokens at 1 and 4 streams. Writes
+``bench/results/offline_compare_hybrids.json``.
 """
 
 from __future__ import annotations
@@ -130,8 +154,9 @@ def main() -> None:
     cmp.add_argument("--compare", action="store_true",
                      help="mcserve vs llama.cpp vs transformers on the 130M Mamba2 shape")
     cmp.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
-    cmp.add_argument("--tf-streams", type=int, nargs="+", default=[1, 8],
-                     help="stream counts at which transformers runs (it is slow)")
+    cmp.add_argument("--tf-streams", type=int, nargs="+", default=None,
+                     help="stream counts at which transformers runs (it is slow; default 1 8, "
+                     "with --hybrids every --streams count)")
     cmp.add_argument("--repeats", type=int, default=None,
                      help="runs per cell; the median counts (default 3; 5 with --precisions)")
     cmp.add_argument("--mc", nargs="*", default=[],
@@ -146,6 +171,9 @@ def main() -> None:
     cmp.add_argument("--families", action="store_true",
                      help="instead: mcserve's decode on RWKV-7, Gated DeltaNet and Mamba2 at "
                      "~0.1B, fused state step vs the generic one")
+    cmp.add_argument("--hybrids", action="store_true",
+                     help="instead: mcserve vs llama.cpp vs transformers on LFM2-350M-like and "
+                     "Granite-4.0-H-350M-like shapes")
     ap.add_argument("--isa", choices=["native", "avx2"], default=None,
                     help="avx2: restart with mcserve's kernels, torch, oneDNN and MKL limited "
                     "to AVX2 (as on a CPU without AVX-512); default: as the environment says")
@@ -166,6 +194,8 @@ def main() -> None:
         return compare_rwkv7(args)
     if args.compare and args.families:
         return compare_families(args)
+    if args.compare and args.hybrids:
+        return compare_hybrids(args)
     if args.compare and args.precisions:
         return compare_precisions(args)
     if args.compare:
@@ -220,6 +250,8 @@ def compare(args: argparse.Namespace) -> None:
     else:
         args.prompt_len, args.new_tokens = 16, 64
         shape = bl.MAMBA2_130M
+        if args.tf_streams is None:
+            args.tf_streams = [1, 8]
     threads = set_threads(args.threads)
     model_dir = bl.mamba2_dir(shape)
     runners: list = [bl.McserveRunner(model_dir)]
@@ -498,6 +530,96 @@ def compare_families(args: argparse.Namespace) -> None:
                 "results": results},
                "tmp_offline_compare_families_quick.json" if args.quick
                else "offline_compare_families.json", extra=args.out)
+
+
+def _hybrid_summary(shape: dict) -> str:
+    kinds = shape["layer_types"]
+    attn = [i for i, t in enumerate(kinds) if t in ("attention", "full_attention")]
+    return (f"hidden {shape['hidden_size']}, {len(kinds)} layers (attention at "
+            f"{', '.join(map(str, attn))}), vocabulary {shape['vocab_size']}")
+
+
+def compare_hybrids(args: argparse.Namespace) -> None:
+    """Decode throughput on the LFM2-350M-like and Granite-4.0-H-350M-like shapes (random
+    weights, float32): mcserve, llama.cpp and transformers on the same checkpoint, same run."""
+    import gc
+
+    import baselines as bl
+
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 8, 8, 1
+        args.streams, args.tf_streams = [1, 4], [1, 4]
+        shapes = {"LFM2": bl.LFM2_QUICK, "Granite-4.0-H": bl.GRANITE_H_QUICK}
+    else:
+        args.prompt_len, args.new_tokens = 16, 64
+        shapes = {"LFM2": bl.LFM2_350M, "Granite-4.0-H": bl.GRANITE_H_350M}
+    if args.tf_streams is None:
+        args.tf_streams = list(args.streams)
+    threads = set_threads(args.threads)
+    build = {"LFM2": (bl.lfm2_dir, None),
+             "Granite-4.0-H": (bl.granite_hybrid_dir, bl.GRANITE_LAYER_NAMES)}
+    isa = isa_info()
+    isa["llama_cpp"] = None
+    names = ["mcserve", "llama.cpp", "transformers"]
+    results, agree, notes, rows = [], [], [], []
+    for model, shape in shapes.items():
+        builder, layer_names = build[model]
+        path = builder(shape)
+        llama, why = bl.hybrid_llama_cpp_runner(path, args.llama_cpp_src, threads, layer_names)
+        if why:
+            notes.append(f"{model}: {why}")
+        if llama is not None and isa["llama_cpp"] is None:
+            isa["llama_cpp"] = llama.system_info()
+        runners: list = [bl.McserveRunner(path)] + ([llama] if llama is not None else [])
+        tf = bl.TransformersRunner(path, "AutoModelForCausalLM")
+        for n in args.streams:
+            ids = bl.prompts(shape["vocab_size"], n, args.prompt_len)
+            by: dict[str, float] = {}
+            for r in runners + ([tf] if n in args.tf_streams else []):
+                try:
+                    res = r.run(ids, args.new_tokens, args.repeats)
+                except RuntimeError as e:  # llama_decode failing on a shape: its note, not a stop
+                    if r.name == "mcserve":
+                        raise
+                    notes.append(f"{model}: {r.name} at {n} streams failed: {e}")
+                    print(f"  {model:<14} {r.name:<13} streams {n:>3}: failed ({e})", flush=True)
+                    continue
+                by[r.name] = res.tokens_per_s
+                line = (f"  {model:<14} {res.name:<13} streams {n:>3}: "
+                        f"{res.tokens_per_s:8.1f} tokens/s")
+                if res.name == "mcserve":
+                    ref = res
+                else:  # the same greedy tokens as mcserve on the same weights?
+                    frac = bl.agreement(ref, res)
+                    agree.append({"model": model, "name": res.name, "streams": n,
+                                  "fraction": frac})
+                    line += f" (tokens agreeing with mcserve: {frac:.0%})"
+                print(line, flush=True)
+                results.append(dict(res.to_json(), model=model))
+            rows.append([model, n] + [f"{by[m]:.1f}" if m in by else "-" for m in names]
+                        + [f"{by['mcserve'] / by[b]:.2f}x" if b in by else "-"
+                           for b in ("llama.cpp", "transformers")])
+        del runners, llama, tf
+        gc.collect()
+    env = env_info()
+    print(env_line(env))
+    print(f"models: {'; '.join(f'{m} {_hybrid_summary(s)}' for m, s in shapes.items())}; float32, "
+          f"random weights, no MC; {args.prompt_len}-token prompts -> {args.new_tokens} greedy "
+          f"tokens per stream; {threads} threads for every implementation; median of "
+          f"{args.repeats}")
+    print(f"instruction sets: mcserve C++ kernels {isa['mcserve_cpu_kernels']}, torch "
+          f"{isa['torch_cpu_capability']}; llama.cpp: {isa['llama_cpp']}")
+    print_table(rows, ["model", "streams"] + [f"{m} tok/s" for m in names]
+                + ["mcserve / llama.cpp", "mcserve / transformers"],
+                title="hybrid decode throughput, same weights, same run")
+    for note in notes:
+        print(note)
+    write_json({"env": env, "args": vars(args), "shapes": shapes, "threads": threads,
+                "isa": isa, "results": results, "notes": notes,
+                "agreement_with_mcserve": agree},
+               "tmp_offline_compare_hybrids_quick.json" if args.quick
+               else "offline_compare_hybrids.json", extra=args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -31,3 +31,28 @@ def test_offline_compare_quick(tmp_path):
         assert any("llama.cpp column skipped" in n for n in data["notes"])
         assert "llama.cpp column skipped" in r.stdout
     assert "mcserve / transformers" in r.stdout
+
+
+def test_offline_compare_hybrids_quick(tmp_path):
+    """``--compare --hybrids --quick``: the 2-layer LFM2 and Granite-4.0-H shapes, mcserve and
+    transformers (and llama.cpp when installed) with the same greedy tokens."""
+    out = tmp_path / "hybrids.json"
+    env = {**os.environ, "MCSERVE_BENCH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "offline.py"), "--compare",
+                        "--hybrids", "--quick", "--threads", "1", "--out", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    got = {(x["model"], x["name"], x["streams"]) for x in data["results"]}
+    for model in ("LFM2", "Granite-4.0-H"):
+        assert {(model, m, n) for m in ("mcserve", "transformers") for n in (1, 4)} <= got
+    agree = {(a["model"], a["name"], a["streams"]): a["fraction"]
+             for a in data["agreement_with_mcserve"]}
+    for model in ("LFM2", "Granite-4.0-H"):
+        assert agree[(model, "transformers", 1)] == 1.0
+        assert agree[(model, "transformers", 4)] == 1.0
+        if (model, "llama.cpp", 1) in got:
+            assert agree[(model, "llama.cpp", 1)] == 1.0
+        else:  # not installed, or the shape does not convert: the reason is printed, not lost
+            assert any(n.startswith(f"{model}: llama.cpp column skipped") for n in data["notes"])
+    assert "mcserve / transformers" in r.stdout
