@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_models import FAMILIES
+from hybrid_models import FAMILIES, MC_FAMILIES
 
 from mcserve.config import EngineConfig
 from mcserve.engine.llm_engine import LLMEngine
@@ -133,8 +133,6 @@ def test_abort_returns_the_kv_blocks(family):
     eng.step()
     _assert_whole(eng)
 
-
-MC_FAMILIES = sorted(f for f in FAMILIES if f != "lfm2")  # LFM2's convolutions keep no memory
 
 
 @pytest.mark.parametrize("fam", MC_FAMILIES)

@@ -89,25 +89,6 @@ def test_transformers5_expert_names_and_older_layer_types_load(tiny, tmp_path):
     torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
 
 
-@torch.no_grad()
-def test_mc_override_applies_to_the_mamba2_layers(tiny):
-    path, _ = tiny
-    plain = load_model(path)
-    mc = load_model(path, mc_overrides={"mc_variant": "grm", "segment_len": 8})
-    assert [b.mixer.memory.cfg.variant for b in mc.layers] == ["grm"] * 3
-    ids = _ids(30, 3)
-    full, _ = mc(ids)
-    torch.testing.assert_close(_pieces(mc, ids, [11, 19]), full, atol=ATOL, rtol=0)
-    want, _ = plain(ids)
-    torch.testing.assert_close(full[:, :8], want[:, :8], atol=ATOL, rtol=0)
-    assert (full[:, 9:] - want[:, 9:]).abs().max() > 1e-3
-    seqs = [_ids(n, 10 + n)[0] for n in (13, 5, 21)]
-    states = [mc.init_state(1) for _ in seqs]
-    logits, _ = mc.forward_varlen(torch.cat(seqs)[None], states, [len(s) for s in seqs])
-    alone = torch.stack([mc(s[None])[0][0, -1] for s in seqs])
-    torch.testing.assert_close(logits, alone, atol=ATOL, rtol=0)
-
-
 @pytest.mark.parametrize("changes,match", [
     ({"position_embedding_type": "alibi"}, "position_embedding_type"),
     ({"layer_types": ["mamba", "sliding_attention", "mamba", "mamba", "attention"]},

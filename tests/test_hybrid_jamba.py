@@ -105,25 +105,6 @@ def test_per_expert_layout_is_stacked(tiny, tmp_path):
         load_model(broken)
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("variant", ["grm", "post"])
-def test_mc_override_prefill_then_decode_equals_one_call(tiny, variant):
-    path, _ = tiny
-    base = load_model(path)
-    model = load_model(path, mc_overrides={"mc_variant": variant, "segment_len": 5})
-    assert (model.config.mc_variant, model.config.segment_len) == (variant, 5)
-    assert all(b.mixer.memory.cfg.variant == variant for b in model.layers)
-    ids = _ids(23, 2)
-    full, _ = model(ids)
-    assert not torch.allclose(full, base(ids)[0], atol=1e-4)  # MC changes the Mamba layers
-    logits, state = model(ids[:, :7])
-    outs = [logits]
-    for t in range(7, ids.shape[1]):
-        logits, state = model(ids[:, t:t + 1], state)
-        outs.append(logits)
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("change,match", [
     (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
     (lambda c: c.update(attn_layer_offset=3, attn_layer_period=3), "attn_layer_offset 3"),

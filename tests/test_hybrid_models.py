@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_models import FAMILIES
+from hybrid_models import FAMILIES, MC_FAMILIES
 
 from mcserve.models.registry import load_model
 
@@ -92,3 +92,48 @@ def test_eval_ppl_runs_with_post_hoc_mc(pair, tmp_path):
     assert main(args + ["--mc", "post:16,grm:16" if mc else ""]) == 0
     rows = json.dumps(json.loads(out.read_text()))
     assert ("grm" in rows) == mc
+
+
+
+@pytest.fixture(scope="module", params=MC_FAMILIES)
+def saved(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"mc-{request.param}")
+    FAMILIES[request.param].save_tiny(path)
+    return path
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["grm", "post"])
+def test_post_hoc_mc_applies_to_the_recurrent_layers(saved, variant):
+    """``load_model(path, mc_overrides=...)`` puts the variant on every recurrent mixer and
+    leaves the attention layers as they are; under it, prefill then decode equals one call and
+    packed calls equal each sequence alone; the first segment is the model as trained and the
+    first recurrent layer reads its cached segments after it."""
+    plain = load_model(saved)
+    mc = load_model(saved, mc_overrides={"mc_variant": variant, "segment_len": 8})
+    assert (mc.config.mc_variant, mc.config.segment_len) == (variant, 8)
+    assert mc.layers and all(b.mixer.memory.cfg.variant == variant for b in mc.layers)
+    assert len(mc.attn_layers) == len(plain.attn_layers) > 0
+    V = plain.config.vocab_size
+    ids = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(1))
+    full, _ = mc(ids)
+    state, outs = None, []
+    for a, b in [(0, 11), (11, 12), (12, 19), (19, 20), (20, 30)]:
+        o, state = mc(ids[:, a:b], state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=ATOL, rtol=0)
+    want, _ = plain(ids)
+    torch.testing.assert_close(full[:, :8], want[:, :8], atol=ATOL, rtol=0)
+    seen = []
+    for model in (plain, mc):
+        hook = model.layers[0].mixer.register_forward_hook(lambda m, i, o: seen.append(o[0]))
+        model(ids)
+        hook.remove()
+    torch.testing.assert_close(seen[1][:, :8], seen[0][:, :8], atol=1e-6, rtol=0)
+    assert (seen[1][:, 8:] - seen[0][:, 8:]).abs().max() > 1e-3 * seen[0].abs().max()
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (13, 5, 21)]
+    logits, _ = mc.forward_varlen(torch.cat(seqs)[None], [mc.init_state(1) for _ in seqs],
+                                  [len(s) for s in seqs])
+    alone = torch.stack([mc(s[None])[0][0, -1] for s in seqs])
+    torch.testing.assert_close(logits, alone, atol=ATOL, rtol=0)

@@ -106,20 +106,6 @@ def tiny(tmp_path_factory):
     return path, fixture.save_tiny(path)
 
 
-@torch.no_grad()
-def test_mc_override_applies_to_the_delta_layers(tiny):
-    path, _ = tiny
-    plain = load_model(path)
-    mc = load_model(path, mc_overrides={"mc_variant": "grm", "segment_len": 8})
-    assert [b.mixer.memory.cfg.variant for b in mc.layers] == ["grm"] * 3
-    ids = _ids(30, 1)
-    full, _ = mc(ids)
-    torch.testing.assert_close(_pieces(mc, ids, [11, 19]), full, atol=ATOL, rtol=0)
-    want, _ = plain(ids)
-    torch.testing.assert_close(full[:, :8], want[:, :8], atol=ATOL, rtol=0)
-    assert (full[:, 9:] - want[:, 9:]).abs().max() > 1e-3
-
-
 def _copy(tiny, tmp_path, edit):
     path, _ = tiny
     cfg = json.loads((path / "config.json").read_text())

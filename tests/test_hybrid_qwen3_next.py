@@ -46,31 +46,6 @@ def _weights(path):
     return files[0], load_file(str(files[0]))
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("variant", ["grm", "post"])
-def test_mc_override_applies_to_the_delta_layers(tiny, variant):
-    path, _ = tiny
-    plain = load_model(path)
-    mc = load_model(path, mc_overrides={"mc_variant": variant, "segment_len": 8})
-    assert (mc.config.mc_variant, mc.config.segment_len) == (variant, 8)
-    assert [b.mixer.memory.cfg.variant for b in mc.layers] == [variant] * 3
-    assert len(mc.attn_layers) == 2
-    ids = _ids(30, 1)
-    full, _ = mc(ids)
-    # prefill then decode equals one call under MC too
-    torch.testing.assert_close(_pieces(mc, ids, [11, 19]), full, atol=ATOL, rtol=0)
-    # the first segment is the model as trained; later ones read the cached segments
-    want, _ = plain(ids)
-    torch.testing.assert_close(full[:, :8], want[:, :8], atol=ATOL, rtol=0)
-    assert (full[:, 9:] - want[:, 9:]).abs().max() > 1e-3
-    # packed variable-length calls equal each sequence alone
-    seqs = [_ids(n, 10 + n)[0] for n in (13, 5, 21)]
-    states = [mc.init_state(1) for _ in seqs]
-    logits, _ = mc.forward_varlen(torch.cat(seqs)[None], states, [len(s) for s in seqs])
-    alone = torch.stack([mc(s[None])[0][0, -1] for s in seqs])
-    torch.testing.assert_close(logits, alone, atol=ATOL, rtol=0)
-
-
 def _save(path, **overrides):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
