@@ -30,7 +30,6 @@ Post-hoc Memory Caching wraps the Mamba2 layers' memory (``mc_variant`` etc., as
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from mcserve.models.importing import (
     first_token_id,
     load_checked,
     mc_settings,
+    renamers,
     require_keys,
 )
 from mcserve.models.layers import GatedMLP, RMSNormF32
@@ -272,34 +272,6 @@ def bamba_config_from_hf(cfg: dict, file: Path) -> BambaConfig:
             norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), **fields)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: invalid Bamba config: {e}") from None
-
-
-def renamers(rename: tuple[tuple[str, str], ...], parts: tuple[tuple[str, str], ...]
-             ) -> tuple[Callable[[str], str], Callable[[str], str]]:
-    """(transformers name → ours, ours → transformers name) from a table of prefixes and one
-    of inner parts (the first matching entry of each applies; the reverse map takes the first
-    entry with the ours side, so list the current transformers name before legacy ones)."""
-    def ours(src: str) -> str:
-        for a, b in rename:
-            if src.startswith(a):
-                src = b + src[len(a):]
-                break
-        for a, b in parts:
-            if a in src:
-                return src.replace(a, b, 1)
-        return src
-
-    def hf(name: str) -> str:
-        for b, a in rename:
-            if name.startswith(a):
-                name = b + name[len(a):]
-                break
-        for b, a in parts:
-            if a in name:
-                return name.replace(a, b, 1)
-        return name
-
-    return ours, hf
 
 
 _OURS, _HF = renamers(

@@ -55,6 +55,7 @@ from mcserve.models.importing import (
     first_token_id,
     load_checked,
     mc_settings,
+    renamers,
     require_keys,
 )
 from mcserve.models.layers import RMSNormF32
@@ -335,27 +336,8 @@ _PARTS = ((".input_layernorm.", ".norm1."), (".pre_ff_layernorm.", ".norm2."),
           (".mamba.", ".mixer."), (".self_attn.", ".attn."), (".feed_forward.", ".mlp."))
 
 
-def _swap(name: str, pairs, flip: bool = False) -> str:
-    for a, b in pairs:
-        if flip:
-            a, b = b, a
-        if a in name:
-            return name.replace(a, b, 1)
-    return name
 
-
-def _our_name(src: str) -> str:
-    for a, b in _RENAME:
-        if src.startswith(a):
-            return _swap(b + src[len(a):], _PARTS)
-    return src
-
-
-def _hf_name(ours: str) -> str:
-    for a, b in _RENAME:
-        if ours.startswith(b):
-            return _swap(a + ours[len(b):], _PARTS, flip=True)
-    return ours
+_our_name, _hf_name = renamers(_RENAME, _PARTS)
 
 
 def load_falcon_h1(path: Path, cfg: dict, stored: dict[str, Tensor], origin: dict[str, Path]

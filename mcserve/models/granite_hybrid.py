@@ -44,10 +44,9 @@ from mcserve.models.bamba import (
     BambaForCausalLM,
     hf_mamba_fields,
     hf_rope,
-    renamers,
 )
 from mcserve.models.checkpoint import CheckpointError
-from mcserve.models.importing import load_checked
+from mcserve.models.importing import load_checked, renamers
 from mcserve.models.layers import SwiGLU
 from mcserve.models.moe import SparseMoE
 

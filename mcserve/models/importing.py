@@ -209,6 +209,34 @@ def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, 
     return model.eval()
 
 
+def renamers(rename: tuple[tuple[str, str], ...], parts: tuple[tuple[str, str], ...]
+             ) -> tuple[Callable[[str], str], Callable[[str], str]]:
+    """(transformers name → ours, ours → transformers name) from a table of prefixes and one
+    of inner parts (the first matching entry of each applies; the reverse map takes the first
+    entry with the ours side, so list the current transformers name before legacy ones)."""
+    def ours(src: str) -> str:
+        for a, b in rename:
+            if src.startswith(a):
+                src = b + src[len(a):]
+                break
+        for a, b in parts:
+            if a in src:
+                return src.replace(a, b, 1)
+        return src
+
+    def hf(name: str) -> str:
+        for b, a in rename:
+            if name.startswith(a):
+                name = b + name[len(a):]
+                break
+        for b, a in parts:
+            if a in name:
+                return name.replace(a, b, 1)
+        return name
+
+    return ours, hf
+
+
 # ---------------------------------------------------------------------------- shared layers
 def up(x: Tensor) -> Tensor:
     """Half precision → float32 (as the reference implementations compute norms, Δ and

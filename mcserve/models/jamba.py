@@ -50,6 +50,7 @@ from mcserve.models.importing import (
     first_token_id,
     load_checked,
     mc_settings,
+    renamers,
     require_keys,
     up,
 )
@@ -257,26 +258,7 @@ _PARTS = ((".input_layernorm.", ".norm1."), (".pre_ff_layernorm.", ".norm2."),
           (".mamba.", ".mixer."), (".self_attn.", ".attn."), (".feed_forward.", ".mlp."))
 
 
-def _our_name(src: str) -> str:
-    for a, b in _RENAME:
-        if src.startswith(a):
-            src = b + src[len(a):]
-            break
-    for a, b in _PARTS:
-        if a in src:
-            return src.replace(a, b, 1)
-    return src
-
-
-def _hf_name(ours: str) -> str:
-    for b, a in _RENAME:
-        if ours.startswith(a):
-            ours = b + ours[len(a):]
-            break
-    for b, a in _PARTS:
-        if a in ours:
-            return ours.replace(a, b, 1)
-    return ours
+_our_name, _hf_name = renamers(_RENAME, _PARTS)
 
 
 _PER_EXPERT = re.compile(r"^(.*\.feed_forward\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"

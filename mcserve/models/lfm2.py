@@ -39,6 +39,7 @@ from mcserve.models.importing import (
     first_token_id,
     load_checked,
     mc_settings,
+    renamers,
     require_keys,
 )
 from mcserve.models.layers import GatedMLP, RMSNormF32
@@ -242,26 +243,7 @@ _PARTS = ((".operator_norm.", ".norm1."), (".ffn_norm.", ".norm2."), (".conv.", 
           (".feed_forward.w2.", ".mlp.down_proj."))
 
 
-def _our_name(src: str) -> str:
-    for a, b in _RENAME:
-        if src.startswith(a):
-            src = b + src[len(a):]
-            break
-    for a, b in _PARTS:
-        if a in src:
-            return src.replace(a, b, 1)
-    return src
-
-
-def _hf_name(ours: str) -> str:
-    for b, a in _RENAME:
-        if ours.startswith(a):
-            ours = b + ours[len(a):]
-            break
-    for b, a in _PARTS:
-        if a in ours:
-            return ours.replace(a, b, 1)
-    return ours
+_our_name, _hf_name = renamers(_RENAME, _PARTS)
 
 
 def load_lfm2(path: Path, cfg: dict, stored: dict[str, Tensor], origin: dict[str, Path]
