@@ -32,9 +32,12 @@ def test_attend_decode_matches_naive(H, Hkv):
     v = torch.randn(4, S, Hkv, D, generator=g)
     k[0, 1:] = float("nan")  # padding past a row's length is never read
     v[0, 1:] = float("nan")
-    got = ops.attend_decode(q, k, v, lengths, 0.3)
-    torch.testing.assert_close(got, ops.naive_attend_decode(q, k, v, lengths, 0.3),
+    want = ops.naive_attend_decode(q, k, v, lengths, 0.3)
+    torch.testing.assert_close(ops.attend_decode(q, k, v, lengths, 0.3), want,
                                atol=1e-5, rtol=1e-5)
+    # on scratch copies, cleared in place
+    torch.testing.assert_close(ops.attend_decode(q, k.clone(), v.clone(), lengths, 0.3,
+                                                 owned=True), want, atol=1e-5, rtol=1e-5)
 
 
 def test_pages_round_trip_and_batch_gather():

@@ -87,9 +87,3 @@ class KVCache:
         nobody references is free."""
         return (sum(self.ref) == held
                 and sorted(self.free_list) == [b for b, r in enumerate(self.ref) if r == 0])
-
-    # ------------------------------------------------------------------ one step's view
-    def slots(self, table: list[int], start: int, n: int) -> list[int]:
-        """Flat pool rows of tokens ``start .. start + n - 1`` of a sequence with ``table``."""
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]

@@ -335,18 +335,25 @@ class ModelRunner:
 
     def paged_kv(self, seqs: list[Sequence], lens: list[int]) -> PagedKV:
         """The KV pool's view for one step: rows ``seqs`` computing ``lens`` tokens each
-        after the ``num_computed_tokens`` they have (hybrid models)."""
+        after the ``num_computed_tokens`` they have (hybrid models). The rows the new tokens
+        are written at come from the padded table in one tensor expression."""
         kv, dev = self.kv, self.model.device
         ctx = [s.num_computed_tokens for s in seqs]
         width = max(len(s.kv_table) for s in seqs)
-        tables = torch.full((len(seqs), width), -1, dtype=torch.long)
-        slots = []
-        for r, (s, c, n) in enumerate(zip(seqs, ctx, lens, strict=True)):
-            tables[r, :len(s.kv_table)] = torch.tensor(s.kv_table, dtype=torch.long)
-            slots += kv.slots(s.kv_table, c, n)
+        tables = torch.tensor([s.kv_table + [-1] * (width - len(s.kv_table)) for s in seqs],
+                              dtype=torch.long)
+        bs = kv.block_size
+        if all(n == 1 for n in lens):  # decode: one token per row
+            row = torch.arange(len(seqs))
+            pos = torch.tensor(ctx, dtype=torch.long)
+        else:
+            row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+            start = torch.tensor(ctx, dtype=torch.long).repeat_interleave(torch.tensor(lens))
+            first = torch.tensor([0] + lens[:-1]).cumsum(0).repeat_interleave(torch.tensor(lens))
+            pos = start + torch.arange(sum(lens)) - first
+        slots = tables[row, pos // bs] * bs + pos % bs
         lengths = torch.tensor([c + n for c, n in zip(ctx, lens, strict=True)], device=dev)
-        return PagedKV(kv.k, kv.v, tables.to(dev), ctx, list(lens),
-                       torch.tensor(slots, dtype=torch.long, device=dev), lengths)
+        return PagedKV(kv.k, kv.v, tables.to(dev), ctx, list(lens), slots.to(dev), lengths)
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()

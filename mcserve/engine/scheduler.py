@@ -220,6 +220,8 @@ class Scheduler:
         n_hits, C = len(seq.block_table), self.mc.segment_len
 
         def accept(rp: ResumePoint) -> bool:
+            if self.kv is not None and rp.kv_blocks is None:  # a hybrid needs its KV too
+                return False
             return (not self.caches_blocks or rp.pos // C <= n_hits
                     or (rp.blocks is not None and rp.blocks.num_blocks >= rp.pos // C))
 

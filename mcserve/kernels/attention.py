@@ -56,15 +56,18 @@ def naive_attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return o.to(q.dtype)
 
 
-def attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float) -> Tensor:
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, *,
+                  owned: bool = False) -> Tensor:
     """q ``(B, 1, H, D)``; k, v ``(B, S, Hkv, D)`` padded; row b sees keys ``0 ..
     lengths[b] - 1`` (its own token included). → ``(B, 1, H, D)``. What lies past a row's
     length (stale rows of a reused block, another block's padding) is never read, even if it is
-    not finite."""
+    not finite. ``owned``: k and v are the caller's scratch copies (gathered for this call),
+    cleared past each row's length in place instead of copied."""
     S = k.shape[1]
     valid = torch.arange(S, device=q.device)[None, :] < lengths[:, None]  # (B, S)
-    k = k.masked_fill(~valid[:, :, None, None], 0)
-    v = v.masked_fill(~valid[:, :, None, None], 0)
+    pad = ~valid[:, :, None, None]
+    k = k.masked_fill_(pad, 0) if owned else k.masked_fill(pad, 0)
+    v = v.masked_fill_(pad, 0) if owned else v.masked_fill(pad, 0)
     mask = valid[:, None, None, :]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, scale=scale,
@@ -72,8 +75,8 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float
     return o.transpose(1, 2)
 
 
-def naive_attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float
-                        ) -> Tensor:
+def naive_attend_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, *,
+                        owned: bool = False) -> Tensor:
     """``attend_decode``'s twin: each row alone through ``naive_attend``."""
     rows = [naive_attend(q[b:b + 1], k[b:b + 1, :int(n)], v[b:b + 1, :int(n)], scale)
             for b, n in enumerate(lengths.tolist())]

@@ -252,5 +252,5 @@ class Attention(nn.Module):
         ops.write_pages(vp, pk.slots, v[:, 0])
         kr = ops.gather_pages_batch(kp, pk.tables)
         vr = ops.gather_pages_batch(vp, pk.tables)
-        o = ops.attend_decode(q, kr, vr, pk.lengths, self.scale)
+        o = ops.attend_decode(q, kr, vr, pk.lengths, self.scale, owned=True)
         return self._out(o, gate)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from mcserve.models.mc import PagedLayer
 from mcserve.models.state import ModelState
-from mcserve.models.varlen import spans
+from mcserve.models.varlen import check_varlen, spans
 
 
 class RecurrentLM(nn.Module):
@@ -78,12 +78,7 @@ class RecurrentLM(nn.Module):
         in a layer's ``MCLayerState.record`` gets that sequence's checkpoints. The tensors of
         ``states`` are not modified.
         """
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must be (1, tokens), got shape {tuple(input_ids.shape)}")
-        if len(states) != len(lens) or not lens or min(lens) < 1 \
-                or sum(lens) != input_ids.shape[1]:
-            raise ValueError(f"lens {lens} must be one positive length per state "
-                             f"({len(states)}) summing to {input_ids.shape[1]} tokens")
+        check_varlen(input_ids, states, lens)
         if not self.packs_varlen:
             rows, new_states = [], []
             for (s, e), st in zip(spans(lens), states, strict=True):

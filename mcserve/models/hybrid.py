@@ -27,7 +27,7 @@ from mcserve.models.attention import Attention, AttnBatch, KVState, PagedKV
 from mcserve.models.base import RecurrentLM
 from mcserve.models.mc import PagedLayer
 from mcserve.models.state import LayerState, ModelState
-from mcserve.models.varlen import spans
+from mcserve.models.varlen import check_varlen, spans
 
 
 @dataclass
@@ -176,12 +176,7 @@ class HybridLM(RecurrentLM):
         (``HybridState.attn``, contiguous; the new states carry the longer KV) or, when ``kv``
         is given, in the engine's paged pool (the states' own ``attn`` is not read).
         ``all_logits``: every position's logits ``(sum T, V)`` instead of the last ones."""
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must be (1, tokens), got shape {tuple(input_ids.shape)}")
-        if len(states) != len(lens) or not lens or min(lens) < 1 \
-                or sum(lens) != input_ids.shape[1]:
-            raise ValueError(f"lens {lens} must be one positive length per state "
-                             f"({len(states)}) summing to {input_ids.shape[1]} tokens")
+        check_varlen(input_ids, states, lens)
         dev = input_ids.device
         ctx = [st.pos for st in states]
         positions = torch.cat([torch.arange(c, c + n, device=dev)

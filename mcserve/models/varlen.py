@@ -31,6 +31,17 @@ def fill_conv_tails(record: list[dict], conv_input: ConvInput | None, pos0: int,
             r["conv"] = None if conv_input is None else conv_input.rows(off, conv_size - 1)
 
 
+def check_varlen(input_ids: Tensor, states: list, lens: list[int]) -> None:
+    """The arguments of a model's ``forward_varlen``: packed tokens ``(1, sum T)`` and one
+    positive length per state; a ``ValueError`` naming what is wrong otherwise."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be (1, tokens), got shape {tuple(input_ids.shape)}")
+    if len(states) != len(lens) or not lens or min(lens) < 1 \
+            or sum(lens) != input_ids.shape[1]:
+        raise ValueError(f"lens {lens} must be one positive length per state "
+                         f"({len(states)}) summing to {input_ids.shape[1]} tokens")
+
+
 def spans(lens: list[int]) -> list[tuple[int, int]]:
     """(start, end) of each sequence in tokens packed back to back with lengths ``lens``."""
     out, s = [], 0
