@@ -15,10 +15,19 @@ them. ``allocate`` returns None when the pool is short; it never raises.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.attention import PagedKV
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from mcserve.config import EngineConfig
+    from mcserve.engine.sequence import Sequence
 
 
 class KVCache:
@@ -36,6 +45,24 @@ class KVCache:
         self.free_list: list[int] = list(range(num_blocks - 1, -1, -1))
         self.bytes_per_block = 2 * n_layers * block_size * n_kv_heads * head_dim * \
             torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: EngineConfig) -> KVCache | None:
+        """The pool of a hybrid model's attention layers (``num_kv_blocks``, else
+        ``kv_cache_mib``'s worth); None for a model without attention layers."""
+        if not getattr(model, "attn_layers", None):
+            return None
+        if model.config.mc.log_segmented:
+            raise ValueError("mc_variant loglinear is not supported on hybrid models (its "
+                             "states are private to each sequence; the KV is paged)")
+        n, hkv, d = model.kv_spec()
+        bs = config.kv_block_size
+        per = cls.block_bytes(n, hkv, d, bs, model.dtype)
+        blocks = config.num_kv_blocks or config.kv_cache_mib * 2**20 // per
+        if blocks < 1:
+            raise ValueError(f"kv_cache_mib={config.kv_cache_mib} holds no KV block of "
+                             f"{per / 2**20:.1f} MiB ({bs} tokens)")
+        return cls(n, hkv, d, blocks, bs, model.dtype, model.device)
 
     @staticmethod
     def block_bytes(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int,
@@ -87,3 +114,27 @@ class KVCache:
         nobody references is free."""
         return (sum(self.ref) == held
                 and sorted(self.free_list) == [b for b, r in enumerate(self.ref) if r == 0])
+
+    # ------------------------------------------------------------------ one step's view
+    def view(self, seqs: list[Sequence], lens: list[int]) -> PagedKV:
+        """The pool as one model call sees it: rows ``seqs`` computing ``lens`` tokens each
+        after the ``num_computed_tokens`` they have. The rows the new tokens are written at
+        come from the padded tables in one tensor expression."""
+        dev = self.k.device
+        ctx = [s.num_computed_tokens for s in seqs]
+        width = max(len(s.kv_table) for s in seqs)
+        tables = torch.tensor([s.kv_table + [-1] * (width - len(s.kv_table)) for s in seqs],
+                              dtype=torch.long)
+        if all(n == 1 for n in lens):  # decode: one token per row
+            row = torch.arange(len(seqs))
+            pos = torch.tensor(ctx, dtype=torch.long)
+        else:
+            n = torch.tensor(lens)
+            row = torch.repeat_interleave(torch.arange(len(seqs)), n)
+            first = torch.tensor([0] + lens[:-1]).cumsum(0).repeat_interleave(n)
+            pos = (torch.tensor(ctx, dtype=torch.long).repeat_interleave(n)
+                   + torch.arange(sum(lens)) - first)
+        bs = self.block_size
+        slots = tables[row, pos // bs] * bs + pos % bs
+        lengths = torch.tensor([c + n for c, n in zip(ctx, lens, strict=True)], device=dev)
+        return PagedKV(self.k, self.v, tables.to(dev), ctx, list(lens), slots.to(dev), lengths)

@@ -99,7 +99,7 @@ class LLMEngine:
             self.cache, self.mc, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.mc, max_model_len=config.max_model_len)
-        self.kv = self._kv_cache(config)
+        self.kv = KVCache.for_model(model, config)  # hybrids' attention layers; else None
         self.scheduler.kv = self.runner.kv = self.kv
         if not config.enforce_eager and model.device.type == "cuda":
             # one graph per (batch, table width) bucket, before any request: the decode step
@@ -156,23 +156,6 @@ class LLMEngine:
             disk_bytes=int(config.state_cache_disk_gib * 2**30),
             export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False),
             release_kv=None if self.kv is None else self.kv.free)
-
-    def _kv_cache(self, config: EngineConfig) -> KVCache | None:
-        """The paged KV pool of a hybrid model's attention layers (``kv_cache_mib``); None for
-        a model without attention layers."""
-        if not getattr(self.model, "attn_layers", None):
-            return None
-        if self.mc.log_segmented:
-            raise ValueError("mc_variant loglinear is not supported on hybrid models (its "
-                             "states are private to each sequence; the KV is paged)")
-        n, hkv, d = self.model.kv_spec()
-        bs = config.kv_block_size
-        per = KVCache.block_bytes(n, hkv, d, bs, self.model.dtype)
-        blocks = config.num_kv_blocks or config.kv_cache_mib * 2**20 // per
-        if blocks < 1:
-            raise ValueError(f"kv_cache_mib={config.kv_cache_mib} holds no KV block of "
-                             f"{per / 2**20:.1f} MiB ({bs} tokens)")
-        return KVCache(n, hkv, d, blocks, bs, self.model.dtype, self.model.device)
 
     def _checkpoint_interval(self, config: EngineConfig) -> int:
         """``checkpoint_interval``, or the store's default for this model and budget."""

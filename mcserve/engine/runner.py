@@ -32,7 +32,6 @@ from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
-from mcserve.models.attention import PagedKV
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.state import LayerState, ModelState
@@ -236,7 +235,7 @@ class ModelRunner:
             for st in states:
                 for ls in st.layers:
                     ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
-        kw = {} if self.kv is None else {"kv": self.paged_kv(seqs, lens)}
+        kw = {} if self.kv is None else {"kv": self.kv.view(seqs, lens)}
         logits, states = self.model.forward_varlen(x, states, lens, **kw)  # (n, V)
         for q, n in zip(seqs, lens, strict=True):
             q.num_computed_tokens += n
@@ -284,7 +283,7 @@ class ModelRunner:
                 ls.mc.record = []  # MCMemory.forward appends each checkpoint it completes
         if self.kv is not None:  # a hybrid: its attention KV is in the paged pool
             logits, (state,) = self.model.forward_varlen(
-                x, [state], [n], kv=self.paged_kv([seq], [n]), all_logits=want_all_logits)
+                x, [state], [n], kv=self.kv.view([seq], [n]), all_logits=want_all_logits)
             logits = logits[None] if want_all_logits else logits[:, None]
         else:
             logits, state = self.model(x, state, last_only=not want_all_logits)
@@ -332,28 +331,6 @@ class ModelRunner:
         for it in items:
             for bid in it.new_blocks:
                 self._register(it.seq, bid)
-
-    def paged_kv(self, seqs: list[Sequence], lens: list[int]) -> PagedKV:
-        """The KV pool's view for one step: rows ``seqs`` computing ``lens`` tokens each
-        after the ``num_computed_tokens`` they have (hybrid models). The rows the new tokens
-        are written at come from the padded table in one tensor expression."""
-        kv, dev = self.kv, self.model.device
-        ctx = [s.num_computed_tokens for s in seqs]
-        width = max(len(s.kv_table) for s in seqs)
-        tables = torch.tensor([s.kv_table + [-1] * (width - len(s.kv_table)) for s in seqs],
-                              dtype=torch.long)
-        bs = kv.block_size
-        if all(n == 1 for n in lens):  # decode: one token per row
-            row = torch.arange(len(seqs))
-            pos = torch.tensor(ctx, dtype=torch.long)
-        else:
-            row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
-            start = torch.tensor(ctx, dtype=torch.long).repeat_interleave(torch.tensor(lens))
-            first = torch.tensor([0] + lens[:-1]).cumsum(0).repeat_interleave(torch.tensor(lens))
-            pos = start + torch.arange(sum(lens)) - first
-        slots = tables[row, pos // bs] * bs + pos % bs
-        lengths = torch.tensor([c + n for c, n in zip(ctx, lens, strict=True)], device=dev)
-        return PagedKV(kv.k, kv.v, tables.to(dev), ctx, list(lens), slots.to(dev), lengths)
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
@@ -420,7 +397,7 @@ class ModelRunner:
                                              (min(ks), max(ks)) if per_row else None,
                                              offloaded))
         tokens = torch.tensor([[s.last_id] for s in seqs], dtype=torch.long, device=dev)
-        kw = {} if self.kv is None else {"kv": self.paged_kv(seqs, [1] * len(seqs))}
+        kw = {} if self.kv is None else {"kv": self.kv.view(seqs, [1] * len(seqs))}
         logits = self.model.forward_paged(tokens, layers, **kw)[:, 0]
         for sl, pl, got in zip(self.cache.slot, layers, rows_in, strict=True):
             for name, t in self._layer_outputs(pl).items():
