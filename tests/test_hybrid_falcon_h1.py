@@ -7,16 +7,15 @@ is not supported."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hybrid_models import falcon_h1 as fixture  # noqa: E402
+from hybrid_models import falcon_h1 as fixture
+from hybrid_models import rewrite  # noqa: E402
 
 from mcserve.models.checkpoint import CheckpointError  # noqa: E402
 from mcserve.models.registry import load_model  # noqa: E402
@@ -33,19 +32,6 @@ def tiny(tmp_path_factory):
 def _ids(T: int, seed: int, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 97, (batch, T), generator=torch.Generator().manual_seed(seed))
 
-
-def _rewrite(src: Path, dst: Path, *, config=None, tensors=None) -> Path:
-    """A copy of the checkpoint ``src`` with its config and/or tensors changed."""
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    sd = load_file(str(src / "model.safetensors"))
-    if config:
-        config(cfg)
-    if tensors:
-        sd = tensors(sd)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"))
-    return dst
 
 
 @torch.no_grad()
@@ -81,7 +67,7 @@ def test_stored_mup_vector_is_ignored(tiny, tmp_path):
             sd[f"model.layers.{i}.mamba.mup_vector"] = ref.model.layers[i].mamba.mup_vector
         return sd
 
-    ours = load_model(_rewrite(path, tmp_path / "mup", tensors=add))
+    ours = load_model(rewrite(path, tmp_path / "mup", tensors=add))
     ids = _ids(6, 1)
     torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
 
@@ -100,7 +86,7 @@ def test_stored_mup_vector_is_ignored(tiny, tmp_path):
 def test_unsupported_configs_are_refused(tiny, tmp_path, change, needle):
     path, _ = tiny
     with pytest.raises(CheckpointError, match=needle):
-        load_model(_rewrite(path, tmp_path / "bad", config=change))
+        load_model(rewrite(path, tmp_path / "bad", config=change))
 
 
 def test_bad_tensors_are_refused(tiny, tmp_path):
@@ -111,18 +97,18 @@ def test_bad_tensors_are_refused(tiny, tmp_path):
         return sd
 
     with pytest.raises(CheckpointError, match="model.layers.0.mamba.extra"):
-        load_model(_rewrite(path, tmp_path / "extra", tensors=extra))
+        load_model(rewrite(path, tmp_path / "extra", tensors=extra))
 
     def missing(sd):
         sd.pop("model.layers.2.self_attn.k_proj.weight")
         return sd
 
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight"):
-        load_model(_rewrite(path, tmp_path / "missing", tensors=missing))
+        load_model(rewrite(path, tmp_path / "missing", tensors=missing))
 
     def misshaped(sd):
         sd["model.layers.1.mamba.in_proj.weight"] = sd["model.layers.1.mamba.in_proj.weight"][1:]
         return sd
 
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mamba\.in_proj\.weight"):
-        load_model(_rewrite(path, tmp_path / "shape", tensors=misshaped))
+        load_model(rewrite(path, tmp_path / "shape", tensors=misshaped))

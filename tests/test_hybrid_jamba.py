@@ -5,16 +5,15 @@ errors for what is not supported."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hybrid_models import jamba as fixture  # noqa: E402
+from hybrid_models import jamba as fixture
+from hybrid_models import rewrite  # noqa: E402
 
 from mcserve.models.checkpoint import CheckpointError  # noqa: E402
 from mcserve.models.registry import load_model  # noqa: E402
@@ -32,19 +31,6 @@ def tiny(tmp_path_factory):
 def _ids(T: int, seed: int, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 97, (batch, T), generator=torch.Generator().manual_seed(seed))
 
-
-def _rewrite(src: Path, dst: Path, *, config=None, tensors=None) -> Path:
-    """A copy of the checkpoint ``src`` with its config and/or tensors changed."""
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    sd = load_file(str(src / "model.safetensors"))
-    if config:
-        config(cfg)
-    if tensors:
-        sd = tensors(sd)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"))
-    return dst
 
 
 @torch.no_grad()
@@ -91,7 +77,7 @@ def test_per_expert_layout_is_stacked(tiny, tmp_path):
                 out[name] = t
         return out
 
-    legacy = _rewrite(path, tmp_path / "legacy", tensors=split)
+    legacy = rewrite(path, tmp_path / "legacy", tensors=split)
     ids = _ids(13, 1)
     torch.testing.assert_close(load_model(legacy)(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
 
@@ -100,7 +86,7 @@ def test_per_expert_layout_is_stacked(tiny, tmp_path):
         del sd["model.layers.3.feed_forward.experts.2.up_proj.weight"]
         return sd
 
-    broken = _rewrite(path, tmp_path / "broken", tensors=drop_one)
+    broken = rewrite(path, tmp_path / "broken", tensors=drop_one)
     with pytest.raises(CheckpointError, match=r"layers\.3\.feed_forward\.experts\.2\.up_proj"):
         load_model(broken)
 
@@ -115,7 +101,7 @@ def test_per_expert_layout_is_stacked(tiny, tmp_path):
 ])
 def test_unsupported_configs_are_refused(tiny, tmp_path, change, match):
     path, _ = tiny
-    bad = _rewrite(path, tmp_path / "bad", config=change)
+    bad = rewrite(path, tmp_path / "bad", config=change)
     with pytest.raises(CheckpointError, match=match):
         load_model(bad)
 
@@ -128,11 +114,11 @@ def test_missing_and_unknown_tensors_are_named(tiny, tmp_path):
         return sd
 
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mamba\.b_layernorm\.weight"):
-        load_model(_rewrite(path, tmp_path / "drop", tensors=drop))
+        load_model(rewrite(path, tmp_path / "drop", tensors=drop))
 
     def extra(sd):
         sd["model.layers.1.self_attn.rotary.inv_freq"] = torch.ones(4)
         return sd
 
     with pytest.raises(CheckpointError, match=r"self_attn\.rotary\.inv_freq"):
-        load_model(_rewrite(path, tmp_path / "extra", tensors=extra))
+        load_model(rewrite(path, tmp_path / "extra", tensors=extra))

@@ -6,16 +6,15 @@ what is not supported."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hybrid_models import nemotron_h as fixture  # noqa: E402
+from hybrid_models import nemotron_h as fixture
+from hybrid_models import rewrite  # noqa: E402
 
 from mcserve.models.checkpoint import CheckpointError  # noqa: E402
 from mcserve.models.registry import load_model  # noqa: E402
@@ -32,19 +31,6 @@ def tiny(tmp_path_factory):
 def _ids(T: int, seed: int, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 97, (batch, T), generator=torch.Generator().manual_seed(seed))
 
-
-def _rewrite(src: Path, dst: Path, *, config=None, tensors=None) -> Path:
-    """A copy of the checkpoint ``src`` with its config and/or tensors changed."""
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    sd = load_file(str(src / "model.safetensors"))
-    if config:
-        config(cfg)
-    if tensors:
-        sd = tensors(sd)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"))
-    return dst
 
 
 @torch.no_grad()
@@ -78,7 +64,7 @@ def test_older_config_keys(tiny, tmp_path):
                          ("use_conv_bias", "mamba_conv_bias"), ("time_step_min", "mamba_dt_min")):
             cfg[key] = cfg.pop(new)
 
-    ours = load_model(_rewrite(path, tmp_path / "old", config=old))
+    ours = load_model(rewrite(path, tmp_path / "old", config=old))
     assert ours.config.pattern == "M*E-M*E" and ours.config.n_groups == 2
     ids = _ids(13, 1)
     torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
@@ -87,7 +73,7 @@ def test_older_config_keys(tiny, tmp_path):
         cfg["layers_block_type"] = [{"linear_attention": "mamba", "full_attention": "attention"}
                                     .get(t, t) for t in cfg["layers_block_type"]]
 
-    ours = load_model(_rewrite(path, tmp_path / "legacy", config=legacy_names))
+    ours = load_model(rewrite(path, tmp_path / "legacy", config=legacy_names))
     assert ours.config.pattern == "M*E-M*E"
 
 
@@ -103,10 +89,10 @@ def test_tied_checkpoint_and_mtp_tensors(tiny, tmp_path):
         sd["mtp.layers.0.norm.weight"] = torch.ones(64)
         return sd
 
-    ours = load_model(_rewrite(path, tmp_path / "t", config=tie, tensors=no_head_and_mtp))
+    ours = load_model(rewrite(path, tmp_path / "t", config=tie, tensors=no_head_and_mtp))
     assert ours.lm_head.weight is ours.embed.weight
     # a head stored beside tie_word_embeddings is used as is (transformers ties nothing here)
-    ours = load_model(_rewrite(path, tmp_path / "t2", config=tie))
+    ours = load_model(rewrite(path, tmp_path / "t2", config=tie))
     assert ours.lm_head.weight is not ours.embed.weight
     ids = _ids(5, 2)
     torch.testing.assert_close(ours(ids)[0], ref(ids).logits, atol=ATOL, rtol=0)
@@ -127,7 +113,7 @@ def test_tied_checkpoint_and_mtp_tensors(tiny, tmp_path):
 def test_unsupported_configs_are_refused(tiny, tmp_path, change, needle):
     path, _ = tiny
     with pytest.raises(CheckpointError, match=needle):
-        load_model(_rewrite(path, tmp_path / "bad", config=change))
+        load_model(rewrite(path, tmp_path / "bad", config=change))
 
 
 def test_bad_tensors_are_refused(tiny, tmp_path):
@@ -138,18 +124,18 @@ def test_bad_tensors_are_refused(tiny, tmp_path):
         return sd
 
     with pytest.raises(CheckpointError, match="backbone.layers.0.mixer.extra"):
-        load_model(_rewrite(path, tmp_path / "extra", tensors=extra))
+        load_model(rewrite(path, tmp_path / "extra", tensors=extra))
 
     def gap(sd):
         sd.pop("backbone.layers.2.mixer.experts.3.up_proj.weight")
         return sd
 
     with pytest.raises(CheckpointError, match="expert 3"):
-        load_model(_rewrite(path, tmp_path / "gap", tensors=gap))
+        load_model(rewrite(path, tmp_path / "gap", tensors=gap))
 
     def missing(sd):
         sd.pop("backbone.layers.1.mixer.k_proj.weight")
         return sd
 
     with pytest.raises(CheckpointError, match="backbone.layers.1.mixer.k_proj.weight"):
-        load_model(_rewrite(path, tmp_path / "missing", tensors=missing))
+        load_model(rewrite(path, tmp_path / "missing", tensors=missing))
