@@ -160,3 +160,59 @@ def test_post_hoc_mc_on_the_recurrent_layers(fam, tmp_path):
     fresh = _engine(str(tmp_path), enable_prefix_caching=False, **mc)
     assert got.outputs[0].token_ids == _run(fresh, [turn2], tag="f")[0].outputs[0].token_ids
     _assert_whole(eng)
+
+
+def test_resume_points_survive_a_restart_and_move_between_engines(family, tmp_path):
+    """A hybrid's resume point leaves the KV pool with its KV copied out: written to the disk
+    tier at shutdown and found by a restarted engine, or exported to another engine; either
+    resumes the next turn as a fresh engine computes it. A file whose KV has the wrong shape is
+    skipped, not loaded."""
+    from safetensors.torch import load_file, save_file
+
+    path, ref = family
+    V = ref.config.vocab_size
+    turn1 = _prompts(V, (29,), seed=5)[0]
+    eng = _engine(path, state_cache_dir=str(tmp_path / "points"))
+    out1 = _run(eng, [turn1], tag="a")[0]
+    turn2 = turn1 + out1.outputs[0].token_ids + [2, 7, 1]
+    pos = len(turn1) + N_NEW - 1
+    want = _run(_engine(path, enable_prefix_caching=False), [turn2], tag="f")[0]
+    export = eng.export_prefix(turn2)
+    assert export.resume is not None and export.resume["kv"][0].shape[1] == pos
+    eng.close()
+    _assert_whole(eng)
+    files = sorted((tmp_path / "points").glob("*"))
+    assert files
+    kept = {f.name: (load_file(str(f)), _meta(f)) for f in files}  # loading a point takes it
+
+    again = _engine(path, state_cache_dir=str(tmp_path / "points"))
+    got = _run(again, [turn2], tag="b")[0]
+    assert got.num_cached_tokens == pos
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    _assert_whole(again)
+
+    other = _engine(path)
+    other.import_prefix(export)
+    got = _run(other, [turn2], tag="c")[0]
+    assert got.num_cached_tokens == pos
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    _assert_whole(other)
+
+    # a point file whose KV is cut short is skipped with a warning, and the turn recomputed
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    for name, (tensors, meta) in kept.items():
+        tensors["kv.k"] = tensors["kv.k"][:, :-1].contiguous()
+        save_file(tensors, str(bad_dir / name), metadata=meta)
+    broken = _engine(path, state_cache_dir=str(bad_dir))
+    got = _run(broken, [turn2], tag="d")[0]
+    assert got.num_cached_tokens == 0
+    assert broken.resume.num_bad_files >= 1
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def _meta(f) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as fh:
+        return fh.metadata()

@@ -38,6 +38,7 @@ class KVCache:
                              f"{num_blocks} blocks of {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.layout = (n_layers, n_kv_heads, head_dim, dtype)  # what a KV copy must match
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
         self.k: Tensor = cpu_ops.zeros(shape, dtype, device)
         self.v: Tensor = cpu_ops.zeros(shape, dtype, device)
@@ -108,6 +109,29 @@ class KVCache:
         """The first ``n`` token rows of block ``src`` into block ``dst`` (every layer)."""
         self.k[:, dst, :n].copy_(self.k[:, src, :n])
         self.v[:, dst, :n].copy_(self.v[:, src, :n])
+
+    def read(self, blocks: list[int], n: int) -> tuple[Tensor, Tensor]:
+        """CPU copies of the keys and values of a sequence's first ``n`` tokens, held in
+        ``blocks``: each ``(attention layers, n, Hkv, D)``."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        L = self.k.shape[0]
+
+        def one(pool: Tensor) -> Tensor:
+            got = pool.index_select(1, idx).reshape(L, -1, *pool.shape[3:])[:, :n]
+            return got.to("cpu").contiguous()
+
+        return one(self.k), one(self.v)
+
+    def write(self, table: list[int], kv: tuple[Tensor, Tensor]) -> None:
+        """Keys and values of a sequence's first tokens ``(attention layers, n, Hkv, D)`` into
+        the blocks of ``table`` (a resume point read back from the host, a disk or another
+        engine)."""
+        n, bs = kv[0].shape[1], self.block_size
+        blocks = torch.tensor(table[:self.blocks_for(n)], dtype=torch.long)
+        rows = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:n].to(self.k.device)
+        for pool, t in zip((self.k, self.v), kv, strict=True):
+            pool.view(pool.shape[0], -1, *pool.shape[3:]).index_copy_(
+                1, rows, t.to(pool.device, pool.dtype))
 
     def is_whole(self, held: int = 0) -> bool:
         """Every reference is one of the ``held`` that resume points hold, and every block

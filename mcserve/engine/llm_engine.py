@@ -155,7 +155,9 @@ class LLMEngine:
             disk_dir=config.state_cache_dir,
             disk_bytes=int(config.state_cache_disk_gib * 2**30),
             export_blocks=lambda hashes: self.cache.export_blocks(hashes, count=False),
-            release_kv=None if self.kv is None else self.kv.free)
+            release_kv=None if self.kv is None else self.kv.free,
+            kv_layout=None if self.kv is None else self.kv.layout,
+            read_kv=None if self.kv is None else self.kv.read)
 
     def _checkpoint_interval(self, config: EngineConfig) -> int:
         """``checkpoint_interval``, or the store's default for this model and budget."""
@@ -594,11 +596,8 @@ class LLMEngine:
             if token_ids is None:
                 raise InvalidRequestError("export_prefix needs token_ids or hashes")
             hashes = self.prefix_hashes(token_ids, mc_overrides)
-        if self.kv is not None:  # a hybrid's KV is not exported: the importer recomputes
-            hashes = []
         export = self.cache.export_blocks(list(hashes))
-        if (token_ids is not None and self.resume is not None and not self.runner.private
-                and self.kv is None):
+        if token_ids is not None and self.resume is not None and not self.runner.private:
             export.resume = self._export_resume([int(t) for t in token_ids], export,
                                                 mc_overrides)
         return export
@@ -630,7 +629,7 @@ class LLMEngine:
         resume point, if any, joins this engine's resume points."""
         rp = export.resume if self.resume is not None else None
         if rp is not None:  # refused before anything is imported
-            why = self.resume.check_rows(rp["rows"])
+            why = self.resume.check_point(rp)
             if why is not None:
                 raise ValueError(f"the prefix export's resume point does not match this "
                                  f"engine's state: {why}")

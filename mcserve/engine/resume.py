@@ -64,6 +64,9 @@ class ResumePoint:
     # reference on each; the last one may be partial). Such a point stays in memory: spilling
     # or evicting it drops it and gives the blocks back (``release_kv``)
     kv_blocks: list[int] | None = None
+    # a hybrid's point out of the KV pool (host tier, disk, export): that KV as tensors
+    # ``(attention layers, pos, Hkv, D)``, keys and values; written into new blocks on a hit
+    kv: tuple[Tensor, Tensor] | None = None
 
 
 def _checksum(tensors: dict[str, Tensor]) -> str:
@@ -90,7 +93,9 @@ class ResumeStore:
                  *, device: torch.device, budget_bytes: int, host_bytes: int = 0,
                  disk_dir: str | os.PathLike | None = None, disk_bytes: int = 0,
                  export_blocks: Callable[[list[bytes]], PrefixExport] | None = None,
-                 release_kv: Callable[[list[int]], None] | None = None):
+                 release_kv: Callable[[list[int]], None] | None = None,
+                 kv_layout: tuple[int, int, int, torch.dtype] | None = None,
+                 read_kv: Callable[[list[int], int], tuple[Tensor, Tensor]] | None = None):
         self.salt = salt
         self.digest = salt_digest(salt).hex()
         self.layout = layout
@@ -101,6 +106,8 @@ class ResumeStore:
         self.disk_budget = int(disk_bytes)
         self.export_blocks = export_blocks  # copies of pool blocks by key (for disk files)
         self.release_kv = release_kv  # gives a hybrid point's KV blocks back to the KV pool
+        self.kv_layout = kv_layout  # hybrids: (attention layers, Hkv, D, dtype) of their KV
+        self.read_kv = read_kv  # hybrids: CPU copies of the KV of (blocks, tokens)
         self.kv_held = 0  # KV blocks the points hold
         self.points: OrderedDict[bytes, ResumePoint] = OrderedDict()  # memory tiers, LRU first
         self.disk: OrderedDict[bytes, ResumePoint] = OrderedDict()  # disk tier, LRU first
@@ -174,14 +181,17 @@ class ResumeStore:
     # ------------------------------------------------------------------ taking points
     def put_rows(self, key: bytes, pos: int, segment_fill: int,
                  rows: list[dict[str, Tensor]], block_hashes: list[bytes] | None = None,
-                 kv_blocks: list[int] | None = None) -> None:
+                 kv_blocks: list[int] | None = None,
+                 kv: tuple[Tensor, Tensor] | None = None) -> None:
         """Keep ``rows`` (the caller's copies of a slot row, every layer) as the resume point
         ``key`` at ``pos``, after the pool blocks ``block_hashes`` (MC segment blocks); for a
         hybrid, with the KV blocks ``kv_blocks`` whose references the caller hands over (given
-        back at once when the point is not kept)."""
+        back at once when the point is not kept), or its KV as tensors ``kv``."""
         nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
+        if kv is not None:
+            nbytes += sum(t.numel() * t.element_size() for t in kv)
         self._add(ResumePoint(key, pos, segment_fill, nbytes, rows=rows,
-                              block_hashes=list(block_hashes or ()), kv_blocks=kv_blocks))
+                              block_hashes=list(block_hashes or ()), kv_blocks=kv_blocks, kv=kv))
 
     def put_private(self, key: bytes, pos: int, segment_fill: int, state: Any) -> None:
         """Keep a copy of a private model state (``loglinear``) as the resume point ``key``."""
@@ -222,27 +232,41 @@ class ResumeStore:
                 self._spill(victim)
 
     def drop_kv(self, enough: Callable[[], bool]) -> None:
-        """Drop unpinned hybrid points, least recently used first, until ``enough()``: their
-        KV blocks are wanted by a running sequence."""
+        """Move unpinned hybrid points out of the KV pool, least recently used first, until
+        ``enough()``: their KV blocks are wanted by a running sequence."""
         for rp in [p for p in self.points.values() if p.kv_blocks is not None and not p.pins]:
             if enough():
                 return
-            del self.points[rp.key]
-            self.used[rp.tier] -= rp.nbytes
-            self._forget(rp)
+            self._spill(rp)  # to the host or disk tier with its KV copied out, else dropped
+
+    def _materialize(self, rp: ResumePoint) -> int:
+        """A hybrid point's KV copied out of the KV pool (host memory), its blocks given back;
+        returns the bytes the point grew by."""
+        rp.kv = self.read_kv(rp.kv_blocks, rp.pos)
+        self.release_kv(rp.kv_blocks)
+        self.kv_held -= len(rp.kv_blocks)
+        rp.kv_blocks = None
+        grow = sum(t.numel() * t.element_size() for t in rp.kv)
+        rp.nbytes += grow
+        return grow
 
     def _spill(self, rp: ResumePoint) -> None:
-        """Move ``rp`` one tier down: device -> host -> disk -> dropped (a hybrid's point,
-        whose KV stays in the KV pool, is dropped)."""
+        """Move ``rp`` one tier down: device -> host -> disk -> dropped. A hybrid's point
+        leaves the device tier with its KV copied out of the KV pool (or is dropped when no
+        tier below takes it)."""
         if rp.kv_blocks is not None:
-            del self.points[rp.key]
-            self.used[rp.tier] -= rp.nbytes
-            self._forget(rp)
-            return
+            if self.disk_dir is None and not self.host_budget:
+                del self.points[rp.key]
+                self.used[rp.tier] -= rp.nbytes
+                self._forget(rp)
+                return
+            self.used[rp.tier] += self._materialize(rp)
         if rp.tier == "device" and rp.rows is not None and self.host_budget >= rp.nbytes:
             pin = torch.cuda.is_available()
             rp.rows = [{n: t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True)
                         for n, t in layer.items()} for layer in rp.rows]
+            if rp.kv is not None:
+                rp.kv = tuple(t.to("cpu") for t in rp.kv)
             self.used["device"] -= rp.nbytes
             self.used["host"] += rp.nbytes
             rp.tier = "host"
@@ -259,6 +283,7 @@ class ResumeStore:
             self.release_kv(rp.kv_blocks)
             self.kv_held -= len(rp.kv_blocks)
             rp.kv_blocks = None
+        rp.kv = None
         self.positions[rp.pos] -= 1
         if not self.positions[rp.pos]:
             del self.positions[rp.pos]
@@ -285,6 +310,8 @@ class ResumeStore:
             self.used["disk"] -= old.nbytes
             self._forget(old)
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in _flat(rp.rows).items()}
+        if rp.kv is not None:
+            tensors["kv.k"], tensors["kv.v"] = (t.to("cpu").contiguous() for t in rp.kv)
         if rp.block_hashes:  # the segment blocks before it go into the file too
             if rp.blocks is not None:  # read back from disk and not used since
                 export = rp.blocks
@@ -309,7 +336,7 @@ class ResumeStore:
             log.warning("state cache: could not write a resume point to %s: %s", path, e)
             tmp.unlink(missing_ok=True)
             return False
-        rp.rows, rp.tier = None, "disk"
+        rp.rows, rp.kv, rp.tier = None, None, "disk"
         rp.nbytes = path.stat().st_size
         self.disk[rp.key] = rp
         self.used["disk"] += rp.nbytes
@@ -397,6 +424,8 @@ class ResumeStore:
         rows = [{name: tensors[f"{li}.{name}"].to(self.device) for name in layer}
                 for li, layer in enumerate(self.layout)]
         rp.rows, rp.tier = rows, "device"
+        if "kv.k" in tensors:
+            rp.kv = (tensors["kv.k"], tensors["kv.v"])
         hashes = [bytes.fromhex(h) for h in meta.get("blocks", "").split(",") if h]
         rp.block_hashes = hashes
         if hashes:
@@ -409,6 +438,8 @@ class ResumeStore:
             rp.blocks = PrefixExport(hashes=hashes, salt_digest=salt_digest(self.salt),
                                      layers=layers)
         rp.nbytes = sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
+        if rp.kv is not None:
+            rp.nbytes += sum(t.numel() * t.element_size() for t in rp.kv)
         self.points[rp.key] = rp
         self.used["device"] += rp.nbytes
         self.num_loaded_disk += 1
@@ -429,14 +460,34 @@ class ResumeStore:
                             f"{shape} {dtype}")
         return None
 
+    def check_kv(self, kv: tuple[Tensor, ...] | None, pos: int) -> str | None:
+        """Why ``kv`` (keys and values) is not the attention KV of ``pos`` tokens of this
+        model (None: it is, or the model has no attention layers and ``kv`` is None)."""
+        if self.kv_layout is None:
+            return None if kv is None else "attention KV this model does not have"
+        if kv is None or len(kv) != 2:
+            return "its attention KV is missing"
+        n, hkv, d, dtype = self.kv_layout
+        for t in kv:
+            if tuple(t.shape) != (n, pos, hkv, d) or t.dtype != dtype:
+                return (f"its attention KV is {tuple(t.shape)} {t.dtype}, expected "
+                        f"{(n, pos, hkv, d)} {dtype}")
+        return None
+
     def _check_tensors(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> str | None:
         n_blocks = len([h for h in meta.get("blocks", "").split(",") if h])
         blocks = {n for n in tensors if n.startswith("b.")}
         if bool(blocks) != bool(n_blocks) or any(tensors[n].shape[0] != n_blocks
                                                  for n in blocks):
             return "its blocks do not match its header"
+        why = self.check_kv(tuple(tensors[n] for n in ("kv.k", "kv.v") if n in tensors) or None,
+                            int(meta["pos"]))
+        if why is not None:
+            return why
         rows: list[dict[str, Tensor]] = [{} for _ in self.layout]
         for name, t in tensors.items():
+            if name.startswith("kv."):
+                continue
             li, _, entry = name.partition(".")
             if name in blocks or not li.isdigit() or int(li) >= len(rows):
                 if name not in blocks:
@@ -462,23 +513,31 @@ class ResumeStore:
 
     def export_point(self, rp: ResumePoint) -> dict:
         """``rp`` detached from this store (CPU copies; for ``PrefixExport.resume``)."""
-        if rp.kv_blocks is not None:
-            raise ValueError("a hybrid model's resume point (attention KV in the pool) is not "
-                             "exported")
-        return {"key": rp.key, "pos": rp.pos, "segment_fill": rp.segment_fill,
-                "rows": [{name: t.to("cpu", copy=True) for name, t in layer.items()}
-                         for layer in rp.rows]}
+        out = {"key": rp.key, "pos": rp.pos, "segment_fill": rp.segment_fill,
+               "rows": [{name: t.to("cpu", copy=True) for name, t in layer.items()}
+                        for layer in rp.rows]}
+        if rp.kv_blocks is not None:  # a hybrid's: its KV too
+            out["kv"] = self.read_kv(rp.kv_blocks, rp.pos)
+        elif rp.kv is not None:
+            out["kv"] = tuple(t.to("cpu", copy=True) for t in rp.kv)
+        return out
+
+    def check_point(self, point: dict) -> str | None:
+        """Why an ``export_point`` is not a state of this model (None: it is)."""
+        return (self.check_rows(point["rows"])
+                or self.check_kv(point.get("kv"), int(point["pos"])))
 
     def import_point(self, point: dict, block_hashes: list[bytes] | None) -> None:
         """Keep an ``export_point`` of another store of the same model as a resume point here.
         Raises ``ValueError`` when its state is not this model's."""
-        why = self.check_rows(point["rows"])
+        why = self.check_point(point)
         if why is not None:
             raise ValueError(f"the prefix export's resume point does not match this engine's "
                              f"state: {why}")
+        kv = point.get("kv")
         self.put_rows(point["key"], int(point["pos"]), int(point["segment_fill"]),
                       [{k: t.to(self.device) for k, t in r.items()} for r in point["rows"]],
-                      block_hashes)
+                      block_hashes, kv=None if kv is None else tuple(kv))
 
     def flush(self) -> int:
         """Write every point held in memory to the disk tier (at shutdown, so a restarted
@@ -487,8 +546,10 @@ class ResumeStore:
             return 0
         n = 0
         for rp in list(self.points.values()):
-            if rp.rows is None or rp.pins or rp.kv_blocks is not None:
+            if rp.rows is None or rp.pins:
                 continue
+            if rp.kv_blocks is not None:  # a hybrid's: its KV out of the pool, into the file
+                self.used[rp.tier] += self._materialize(rp)
             del self.points[rp.key]
             self.used[rp.tier] -= rp.nbytes
             if self._write(rp):

@@ -104,6 +104,8 @@ class ModelRunner:
                 full, part = divmod(point.pos, self.kv.block_size)
                 if part:
                     self.kv.copy_rows(point.kv_blocks[full], seq.kv_table[full], part)
+            elif point.kv is not None:  # KV from the host, a disk or another engine
+                self.kv.write(seq.kv_table, point.kv)
             self.resume.unpin(point)
         elif resume_block < 0:
             self.cache.clear_slot(seq.slot, self.init_mem)

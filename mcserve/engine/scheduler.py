@@ -220,8 +220,8 @@ class Scheduler:
         n_hits, C = len(seq.block_table), self.mc.segment_len
 
         def accept(rp: ResumePoint) -> bool:
-            if self.kv is not None and rp.kv_blocks is None:  # a hybrid needs its KV too
-                return False
+            if self.kv is not None and rp.kv_blocks is None and rp.kv is None:
+                return False  # a hybrid needs its KV too
             return (not self.caches_blocks or rp.pos // C <= n_hits
                     or (rp.blocks is not None and rp.blocks.num_blocks >= rp.pos // C))
 
@@ -260,6 +260,9 @@ class Scheduler:
             seq.block_hashes = seq.block_hashes[:keep]
         if rp is None:
             seq.num_computed_tokens = seq.segment_fill = 0
+            return
+        if rp.kv_blocks is None:  # KV as tensors: the runner writes it into new blocks
+            seq.kv_table = []
             return
         full = rp.pos // self.kv.block_size
         seq.kv_table = list(rp.kv_blocks[:full])
