@@ -121,6 +121,23 @@ def test_preemption_under_a_small_kv_pool_gives_the_same_tokens(family):
     _assert_whole(eng)
 
 
+def test_a_preempted_hybrid_resumes_from_the_point_it_leaves(family, tmp_path):
+    """Preempted, a hybrid keeps its state as a resume point; its KV goes to the disk tier
+    when the pool wants the blocks, and the readmitted sequence resumes there instead of
+    recomputing: the same tokens as without preemption."""
+    path, ref = family
+    prompts = _prompts(ref.config.vocab_size, (60, 45, 70, 50), seed=3)
+    want = [o.outputs[0].token_ids for o in _run(_engine(path), prompts)]
+    eng = _engine(path, num_kv_blocks=14, checkpoint_interval=0,
+                  state_cache_dir=str(tmp_path / "points"))
+    got = _run(eng, prompts)
+    assert [o.outputs[0].token_ids for o in got] == want
+    st = eng.stats()
+    assert eng.scheduler.num_preemptions > 0
+    assert st["resume_points_hit"] > 0 and st["resume_points_spilled_disk"] > 0
+    _assert_whole(eng)
+
+
 def test_abort_returns_the_kv_blocks(family):
     path, ref = family
     eng = _engine(path, enable_prefix_caching=False)

@@ -106,6 +106,7 @@ class LLMEngine:
             # then replays instead of launching its kernels one by one
             self.runner.capture_decode_graphs()
         self.scheduler.on_release = self.runner.release
+        self.scheduler.on_keep = self.runner.keep
         self.resume = self._resume_store(config, salt)
         self.checkpoint_interval = self._checkpoint_interval(config)
         self.scheduler.resume = self.runner.resume = self.resume

@@ -72,6 +72,7 @@ class Scheduler:
         self.prompt_tokens_admitted = 0  # prompt tokens of admitted sequences (first time)
         self.prompt_tokens_cached = 0  # ... of which came from the state cache
         self.on_release = lambda seq: None  # the runner forgets per-sequence private state
+        self.on_keep = lambda seq: None  # the runner keeps a resume point of seq's state now
         # hybrid models: the attention layers' paged KV (set by the engine). Preemption then
         # recomputes (the KV stays in the pool only while a resume point holds it)
         self.kv: KVCache | None = None
@@ -103,7 +104,8 @@ class Scheduler:
             seq.slot = None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Swap to the host tier when it has room, else free everything and recompute later."""
+        """Swap to the host tier when it has room, else free everything and recompute later
+        (a hybrid: from the resume point it leaves, while that lasts)."""
         self.running.remove(seq)
         swapped = (self.cache.swap_out(seq.block_table, seq.slot)
                    if seq.slot is not None and self.kv is None else None)
@@ -112,6 +114,11 @@ class Scheduler:
             seq.slot = None
             self.num_swaps += 1
         else:
+            if self.kv is not None and seq.slot is not None:
+                # a hybrid keeps its state as a resume point (its KV blocks held by the point,
+                # given up or moved to a lower tier when they are wanted): readmitted, it
+                # resumes there unless the point had to go
+                self.on_keep(seq)
             self._release(seq)
             seq.num_computed_tokens = 0
             seq.segment_fill = 0
