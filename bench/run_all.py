@@ -10,7 +10,8 @@ Scripts, in order: ``mc_layer.py`` (one MC layer vs the number of cached segment
 ``multi_turn.py`` (multi-turn chat over HTTP, state reuse on and off),
 ``long_context.py`` (decode vs a KV-cache Transformer up to 32K), ``roofline.py`` (machine
 limits and the decode step against them), ``cpu_kernels.py`` (the C++ decode kernels),
-``structured.py`` (decode with a JSON-schema constraint against without). The
+``structured.py`` (decode with a JSON-schema constraint against without), ``attention.py``
+(hybrids' paged decode attention, in place against gathered). The
 recall experiments (``experiments/recall/``) train models for minutes to hours and are run on
 their own. Each script runs in its own process with the same Python
 (``--quick`` is passed through, and ``--threads N``: 1 by default with ``--quick``); its output
@@ -51,7 +52,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context", "roofline",
-           "cpu_kernels", "structured"]
+           "cpu_kernels", "structured", "attention"]
 # helpers, and the CUDA-only scripts (kernels.py, gpu.py)
 NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels", "gpu"}
 

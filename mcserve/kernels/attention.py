@@ -7,7 +7,10 @@ Two forms with the same signatures, and a test comparing them (tests/test_attent
   tokens at positions ``pos0 .. pos0 + T - 1`` against keys and values ``(B, S, Hkv, D)`` of
   positions ``0 .. S - 1`` (S = pos0 + T), causal;
 * ``attend_decode`` and ``naive_attend_decode``: one query per row ``(B, 1, H, D)`` against
-  that row's first ``lengths[b]`` keys of a padded ``(B, S, Hkv, D)``.
+  that row's first ``lengths[b]`` keys of a padded ``(B, S, Hkv, D)``;
+* ``paged_decode`` and ``naive_paged_decode``: the same against the paged pool through each
+  row's block table; on the CPU (float32) one C++ pass over the blocks in place with an online
+  softmax (``kernels/cpu``), elsewhere the blocks gathered and ``attend_decode``.
 
 The paged KV pool (``write_pages``, ``gather_pages``): keys and values of one layer are
 ``(num_blocks, block_size, Hkv, D)``; a sequence's tokens live in the blocks its table lists,
@@ -19,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mcserve.kernels import cpu as cpu_ops
 
 
 def _causal_mask(T: int, S: int, device: torch.device) -> Tensor:
@@ -102,3 +107,26 @@ def gather_pages_batch(pool: Tensor, tables: Tensor) -> Tensor:
     B, N = tables.shape
     got = pool.index_select(0, tables.clamp_min(0).reshape(-1))  # (B·N, bs, Hkv, D)
     return got.view(B, N * pool.shape[1], *pool.shape[2:])
+
+
+def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
+                 scale: float) -> Tensor:
+    """q ``(B, 1, H, D)``; one layer's pools ``(num_blocks, block_size, Hkv, D)``; row b's
+    first ``lengths[b]`` tokens in the blocks ``tables[b]`` lists (-1 pads). → ``(B, 1, H,
+    D)``. Nothing past a row's length is read."""
+    y = cpu_ops.paged_attention_decode(q[:, 0], k_pool, v_pool, tables, lengths, scale)
+    if y is not None:
+        return y[:, None]
+    return attend_decode(q, gather_pages_batch(k_pool, tables), gather_pages_batch(v_pool, tables),
+                         lengths, scale, owned=True)
+
+
+def naive_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor,
+                       lengths: Tensor, scale: float) -> Tensor:
+    """``paged_decode``'s twin: each row's tokens gathered, then ``naive_attend``."""
+    rows = []
+    for b, n in enumerate(lengths.tolist()):
+        k = gather_pages(k_pool, tables[b], int(n))[None]
+        v = gather_pages(v_pool, tables[b], int(n))[None]
+        rows.append(naive_attend(q[b:b + 1], k, v, scale))
+    return torch.cat(rows)

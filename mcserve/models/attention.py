@@ -250,7 +250,5 @@ class Attention(nn.Module):
         kp, vp = pk.k[self.index], pk.v[self.index]
         ops.write_pages(kp, pk.slots, k[:, 0])
         ops.write_pages(vp, pk.slots, v[:, 0])
-        kr = ops.gather_pages_batch(kp, pk.tables)
-        vr = ops.gather_pages_batch(vp, pk.tables)
-        o = ops.attend_decode(q, kr, vr, pk.lengths, self.scale, owned=True)
+        o = ops.paged_decode(q, kp, vp, pk.tables, pk.lengths, self.scale)
         return self._out(o, gate)

@@ -380,6 +380,18 @@ def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
     return ops().readout_paged(pool, ids, q, w)
 
 
+def paged_attention_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor,
+                           lengths: Tensor, scale: float) -> Tensor | None:
+    """One decode query per row ``q (B, H, D)`` against its keys and values in a paged pool
+    ``(NB, BS, Hkv, D)``, read in place (``kernels.attention.paged_decode``, whose twin is
+    ``naive_paged_decode``); None when the C++ op does not take these inputs."""
+    m = ops()
+    if (m is None or not _f32_cpu(q, k_pool, v_pool) or not k_pool.is_contiguous()
+            or not v_pool.is_contiguous()):
+        return None
+    return m.paged_attention_decode(q, k_pool, v_pool, tables, lengths, scale)
+
+
 def topk_later(r: Tensor, k: int) -> Tensor:
     """Indices of each row's k largest entries of r ``(R, N)``, largest first, ties to the
     later index (twin ``twins.topk_later``). r holds no NaN."""

@@ -468,6 +468,88 @@ inline void readout_row(const float* const* blocks, const float* wts, int64_t nb
 
 // Σ_n w[b, n, h] · S[ids[b, n, h], h]ᵀ q[b, h] read from the block pool in place.
 // pool (NB, H, K, V) contiguous, ids (B, n, H) int64, q (B, H, K), w (B, n, H) → (B, H, V).
+// One decode query per row against that row's keys and values in a paged pool (a hybrid
+// model's attention layer): q (B, H, D); k_pool, v_pool (NB, BS, Hkv, D) contiguous; tables
+// (B, N) block ids (-1 pads); lengths (B,) tokens of each row. Grouped-query heads (head h reads
+// KV head h / (H / Hkv)); one pass over the blocks in place with an online softmax in float32.
+// Rows past a row's length are never read. → (B, H, D). Twin: kernels/attention.py's
+// naive_paged_decode (the blocks gathered, the scores written out).
+torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                     const torch::Tensor& v_pool, const torch::Tensor& tables,
+                                     const torch::Tensor& lengths, double scale) {
+  check_f32(q, "q");
+  check_f32(k_pool, "k_pool");
+  check_f32(v_pool, "v_pool");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes(),
+              "paged_attention_decode: contiguous k_pool, v_pool (NB, BS, Hkv, D) expected");
+  const int64_t NB = k_pool.size(0), BS = k_pool.size(1), Hkv = k_pool.size(2),
+                D = k_pool.size(3);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D && q.size(1) % Hkv == 0,
+              "paged_attention_decode: q (B, H, D) with H a multiple of Hkv expected");
+  const int64_t B = q.size(0), H = q.size(1), rep = H / Hkv;
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.size(0) == B,
+              "paged_attention_decode: tables (B, N) int64 expected");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == B,
+              "paged_attention_decode: lengths (B,) int64 expected");
+  const int64_t N = tables.size(1);
+  auto qc = q.contiguous();
+  auto tc = tables.contiguous();
+  auto lc = lengths.contiguous();
+  auto y = torch::zeros({B, H, D}, q.options());
+  const float *qp = qc.data_ptr<float>(), *Kp = k_pool.data_ptr<float>(),
+              *Vp = v_pool.data_ptr<float>();
+  const int64_t *tp = tc.data_ptr<int64_t>(), *lp = lc.data_ptr<int64_t>();
+  float* yp = y.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  bool bad = false;
+  // one task per (row, KV head): each key and value row is read once for the rep query heads
+  // that share it
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> acc(rep * D), m(rep), s(rep), dot(rep);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / Hkv, g = r % Hkv;
+      const int64_t L = lp[b];
+      if (L < 1 || L > N * BS) { bad = true; continue; }
+      const float* qv = qp + (b * H + g * rep) * D;  // the rep heads of KV head g, in a row
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(s.begin(), s.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t blk = tp[b * N + t / BS];
+        if (blk < 0 || blk >= NB) { bad = true; break; }
+        const int64_t off = ((blk * BS + t % BS) * Hkv + g) * D;
+        const float *kr = Kp + off, *vr = Vp + off;
+        for (int64_t j = 0; j < rep; ++j) {
+          const float* qj = qv + j * D;
+          float d = 0.f;
+          for (int64_t c = 0; c < D; ++c) d += qj[c] * kr[c];
+          dot[j] = d * sc;
+        }
+        for (int64_t j = 0; j < rep; ++j) {
+          float* aj = acc.data() + j * D;
+          if (dot[j] > m[j]) {
+            const float corr = std::exp(m[j] - dot[j]);
+            s[j] *= corr;
+            for (int64_t c = 0; c < D; ++c) aj[c] *= corr;
+            m[j] = dot[j];
+          }
+          const float p = std::exp(dot[j] - m[j]);
+          s[j] += p;
+          for (int64_t c = 0; c < D; ++c) aj[c] += p * vr[c];
+        }
+      }
+      for (int64_t j = 0; j < rep; ++j) {
+        float* out = yp + (b * H + g * rep + j) * D;
+        const float* aj = acc.data() + j * D;
+        for (int64_t c = 0; c < D; ++c) out[c] = aj[c] / s[j];
+      }
+    }
+  });
+  TORCH_CHECK(!bad, "paged_attention_decode: a length or block id is outside the pool");
+  return y;
+}
+
 torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
                             const torch::Tensor& q, const torch::Tensor& w) {
   check_f32(pool, "pool");
@@ -1057,6 +1139,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rwkv7_step_", &rwkv7_step_, "one token of RWKV-7's generalised delta rule, in place");
   m.def("gla_vec_step_", &gla_vec_step_, "one token of vector-gated linear attention, in place");
   m.def("readout_paged", &readout_paged, "weighted readout of pool blocks");
+  m.def("paged_attention_decode", &paged_attention_decode,
+        "one decode query per row against its keys and values in a paged pool");
   m.def("topk_later", &topk_later, "indices of each row's k largest, ties to the later");
   m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");
   m.def("rms_norm", &rms_norm, "grouped RMSNorm, optionally gated by silu(z)");
