@@ -73,26 +73,28 @@ def test_greedy_tokens_match_transformers(pair):
     assert got == want
 
 
-def test_eval_ppl_runs_with_post_hoc_mc(pair, tmp_path):
-    """``mcserve eval ppl`` on the family, the model as trained beside post-hoc MC on its
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_eval_ppl_and_passkey_run_with_post_hoc_mc(fam, tmp_path):
+    """``mcserve eval ppl`` and ``passkey`` on the family (a byte-sized vocabulary, so the
+    evaluations' own byte tokenizer fits), the model as trained beside post-hoc MC on its
     recurrent layers (LFM2: as trained only; its convolutions keep no memory)."""
     import json
 
     from mcserve.cli import main
 
-    ref, ours, V = pair
     path = tmp_path / "m"
-    ref.save_pretrained(path)
+    FAMILIES[fam].save_tiny(path, vocab_size=256)
     text = tmp_path / "text.txt"
-    text.write_text("THE GRASS IS GREEN AND THE SKY IS BLUE. " * 20)  # byte ids below 97
+    text.write_text("The grass is green and the sky is blue. " * 20)
+    mc = ["--mc", "post:16,grm:16" if fam in MC_FAMILIES else ""]
     out = tmp_path / "ppl.json"
-    args = ["eval", "ppl", str(path), "--data", str(text), "--lengths", "48", "--no-progress",
-            "--json", str(out)]
-    mc = ref.config.model_type != "lfm2"
-    assert main(args + ["--mc", "post:16,grm:16" if mc else ""]) == 0
-    rows = json.dumps(json.loads(out.read_text()))
-    assert ("grm" in rows) == mc
-
+    assert main(["eval", "ppl", str(path), "--data", str(text), "--lengths", "48",
+                 "--no-progress", "--json", str(out), *mc]) == 0
+    assert ("grm" in json.dumps(json.loads(out.read_text()))) == (fam in MC_FAMILIES)
+    out = tmp_path / "passkey.json"
+    assert main(["eval", "passkey", str(path), "--lengths", "320", "--depths", "0.5",
+                 "--trials", "1", "--no-progress", "--json", str(out), *mc]) == 0
+    assert ("post" in out.read_text()) == (fam in MC_FAMILIES)
 
 
 @pytest.fixture(scope="module", params=MC_FAMILIES)

@@ -9,16 +9,18 @@ import torch
 MODEL_TYPE = "jamba"
 
 
-def save_tiny(path, seed: int = 0):
+def save_tiny(path, seed: int = 0, **overrides):
     from transformers import JambaConfig, JambaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = JambaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=3,
-                      attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                      num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
-                      mamba_expand=2, mamba_dt_rank=6, use_mamba_kernels=False,
-                      tie_word_embeddings=False, max_position_embeddings=4096)
+    kw = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=3,
+        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=6, use_mamba_kernels=False,
+        tie_word_embeddings=False, max_position_embeddings=4096)
+    cfg = JambaConfig(**{**kw, **overrides})
     model = JambaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
