@@ -9,8 +9,9 @@ Two forms with the same signatures, and a test comparing them (tests/test_attent
 * ``attend_decode`` and ``naive_attend_decode``: one query per row ``(B, 1, H, D)`` against
   that row's first ``lengths[b]`` keys of a padded ``(B, S, Hkv, D)``;
 * ``paged_decode`` and ``naive_paged_decode``: the same against the paged pool through each
-  row's block table; on the CPU (float32) one C++ pass over the blocks in place with an online
-  softmax (``kernels/cpu``), elsewhere the blocks gathered and ``attend_decode``.
+  row's block table, read in place with an online softmax: a Triton kernel on CUDA
+  (``kernels/triton/paged_attention.py``), one C++ pass on the CPU (float32, ``kernels/cpu``);
+  elsewhere the blocks gathered and ``attend_decode``.
 
 The paged KV pool (``write_pages``, ``gather_pages``): keys and values of one layer are
 ``(num_blocks, block_size, Hkv, D)``; a sequence's tokens live in the blocks its table lists,
@@ -114,6 +115,12 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, leng
     """q ``(B, 1, H, D)``; one layer's pools ``(num_blocks, block_size, Hkv, D)``; row b's
     first ``lengths[b]`` tokens in the blocks ``tables[b]`` lists (-1 pads). → ``(B, 1, H,
     D)``. Nothing past a row's length is read."""
+    from mcserve.kernels import dispatch
+
+    if dispatch.get_backend(q) == "triton":
+        from mcserve.kernels.triton.paged_attention import paged_decode as triton_paged_decode
+
+        return triton_paged_decode(q, k_pool, v_pool, tables, lengths, scale)
     y = cpu_ops.paged_attention_decode(q[:, 0], k_pool, v_pool, tables, lengths, scale)
     if y is not None:
         return y[:, None]
