@@ -233,3 +233,27 @@ def _meta(f) -> dict:
 
     with safe_open(str(f), framework="pt") as fh:
         return fh.metadata()
+
+
+def test_static_decode_step_matches_the_ragged_one(family):
+    """The static decode step (what CUDA graphs capture; run eagerly here): the batch padded to
+    a bucket with rows on the scratch slot and the KV pool's scratch block, the KV table padded
+    to a width bucket. Same tokens and logprobs as the ragged step."""
+    path, ref = family
+    prompts = _prompts(ref.config.vocab_size, (11, 37, 3), seed=6)
+    want = _run(_engine(path), prompts)
+    eng = _engine(path)
+    eng.runner.static_decode = True
+    calls = []
+    step = eng.runner.static_forward
+    eng.runner.static_forward = lambda B, N, **kw: calls.append((B, N)) or step(B, N, **kw)
+    got = _run(eng, prompts)
+    assert calls and all(B in eng.runner.batch_buckets and N in eng.runner.width_buckets
+                         for B, N in calls)
+    assert any(B > 1 and B != len(prompts) for B, _ in calls)  # padded rows were in the step
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=1e-5, rtol=0)
+    _assert_whole(eng)

@@ -39,7 +39,10 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = (n_layers, n_kv_heads, head_dim, dtype)  # what a KV copy must match
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        # one block more than ``num_blocks``: the scratch block the padded rows of a static
+        # decode step write and read (never handed out)
+        self.scratch = num_blocks
+        shape = (n_layers, num_blocks + 1, block_size, n_kv_heads, head_dim)
         self.k: Tensor = cpu_ops.zeros(shape, dtype, device)
         self.v: Tensor = cpu_ops.zeros(shape, dtype, device)
         self.ref = [0] * num_blocks

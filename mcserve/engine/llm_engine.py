@@ -100,7 +100,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.mc, max_model_len=config.max_model_len)
         self.kv = KVCache.for_model(model, config)  # hybrids' attention layers; else None
-        self.scheduler.kv = self.runner.kv = self.kv
+        self.scheduler.kv = self.kv
+        self.runner.attach_kv(self.kv)
         if not config.enforce_eager and model.device.type == "cuda":
             # one graph per (batch, table width) bucket, before any request: the decode step
             # then replays instead of launching its kernels one by one

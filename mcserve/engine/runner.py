@@ -8,10 +8,8 @@
 * Decodes run as one ragged batch (``MCForCausalLM.forward_paged``): rows at different
   positions, with different numbers of cached segments, read their blocks from the pool through
   a padded block table. No Python loop over sequences.
-* The static decode step (``static_forward``) pads that batch to a bucket size (padded rows on
-  the state cache's scratch slot) and the table to a bucket width, reading its inputs from one
-  static buffer: the step CUDA graphs replay (``cuda_graphs.py``). Checkpoint pushes and
-  counters happen after the step, on the host's knowledge of the rows (``_finish_decode``).
+* The static decode step (``static_decode.py``, a mixin) pads that batch to bucket sizes and
+  reads its inputs from one static buffer: the step CUDA graphs replay (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -25,13 +23,14 @@ import torch
 from torch import Tensor
 
 from mcserve.config import MCConfig
-from mcserve.engine.cuda_graphs import DecodeGraphs, bucket, decode_buckets, table_buckets
+from mcserve.engine.cuda_graphs import DecodeGraphs, decode_buckets, table_buckets
 from mcserve.engine.kv_cache import KVCache
 from mcserve.engine.prefix_keys import chain_hashes
 from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
+from mcserve.engine.static_decode import StaticDecode
 from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.state import LayerState, ModelState
@@ -39,7 +38,8 @@ from mcserve.models.state import LayerState, ModelState
 log = logging.getLogger(__name__)
 
 
-class ModelRunner:
+
+class ModelRunner(StaticDecode):
     def __init__(self, model: MCForCausalLM, cache: StateCache, mc: MCConfig, *,
                  max_model_len: int | None = None):
         self.model = model
@@ -72,20 +72,23 @@ class ModelRunner:
         cap = cache.num_blocks + cache.num_host_blocks
         if max_model_len is not None:
             cap = min(cap, max_model_len // mc.segment_len)
+        self.max_model_len = max_model_len
         self.batch_buckets = decode_buckets(cache.num_slots)
         self.width_buckets = table_buckets(cap if self.reads_table else 0)
         self.static_decode = False
         self.graphs: DecodeGraphs | None = None
-        # the static inputs, one buffer: (token, slot, fill, segments, top_k) rows, then the
-        # table; on a GPU filled by one copy from a pinned twin
-        B, N = self.batch_buckets[-1], self.width_buckets[-1]
-        dev = model.device
-        self._static_in = torch.empty(5 * B + B * N, dtype=torch.long, device=dev)
-        self._static_host = (torch.empty(5 * B + B * N, dtype=torch.long, pin_memory=True)
-                             if dev.type == "cuda" else None)
-        self._static_copied = torch.cuda.Event() if dev.type == "cuda" else None
-        self.reset_static_inputs()
+        self._static_buffers()
         cache.clear_slot(cache.scratch_slot, self.init_mem)
+
+    def attach_kv(self, kv: KVCache | None) -> None:
+        """A hybrid model's KV pool. Without segment blocks to read, the static step's table
+        is the KV block table (its width buckets from ``max_model_len``'s blocks)."""
+        self.kv = kv
+        if kv is not None and not self.reads_table:
+            cap = kv.num_blocks if self.max_model_len is None else min(
+                kv.num_blocks, kv.blocks_for(self.max_model_len))
+            self.width_buckets = table_buckets(cap)
+            self._static_buffers()
 
     # ------------------------------------------------------------------ state <-> pool
     def release(self, seq: Sequence) -> None:
@@ -353,7 +356,7 @@ class ModelRunner:
         hb = self.cache.host_base
         offloaded = self.cache.num_host_blocks > 0 and any(
             b >= hb for s in seqs for b in s.block_table)
-        if self.static_decode and self.kv is None:
+        if self.static_decode and self._static_kv:
             shape = self._static_shape(seqs)
             if shape is not None:
                 logits = self._decode_static(seqs, *shape, offloaded)
@@ -485,135 +488,3 @@ class ModelRunner:
             if self.mc.independent:
                 for name in mem_names:
                     sl[name][rows] = init[name[4:]]
-
-    # ------------------------------------------------------------------ static decode
-    def _static_shape(self, seqs: list[Sequence]) -> tuple[int, int] | None:
-        """The (batch, table width) buckets of a static step for ``seqs``; None when the batch
-        or a table is larger than the largest bucket (the ragged step serves it)."""
-        B = bucket(self.batch_buckets, len(seqs))
-        if not self.reads_table:
-            return None if B is None else (B, 0)
-        N = bucket(self.width_buckets, max(1, max(len(s.block_table) for s in seqs)))
-        return None if B is None or N is None else (B, N)
-
-    def _fill_static(self, seqs: list[Sequence], B: int, N: int) -> None:
-        """Write the step's inputs into the static buffer, laid out for (B, N) as
-        ``static_forward`` reads it: rows of (token, slot, segment fill, cached segments,
-        top_k) as a (5, B) block, then the (B, N) block table. Rows past ``len(seqs)`` are
-        padding: the scratch slot, no blocks."""
-        pad = B - len(seqs)
-        k0 = self.mc.top_k
-        vals = ([s.last_id for s in seqs] + [0] * pad
-                + [s.slot for s in seqs] + [self.cache.scratch_slot] * pad
-                + [s.segment_fill for s in seqs] + [0] * pad
-                + [len(s.block_table) for s in seqs] + [0] * pad
-                + [s.mc_top_k or k0 for s in seqs] + [k0] * pad)
-        if N:
-            for s in seqs:
-                vals += s.block_table
-                vals += [-1] * (N - len(s.block_table))
-            vals += [-1] * (N * pad)
-        host = torch.tensor(vals, dtype=torch.long)
-        n = host.numel()
-        if self._static_host is None:  # CPU: the static buffer is host memory already
-            self._static_in[:n].copy_(host)
-        else:  # one pinned host-to-device copy, asynchronous: the pinned buffer is reused
-            # only once the previous step's copy out of it has finished
-            self._static_copied.synchronize()
-            self._static_host[:n].copy_(host)
-            self._static_in[:n].copy_(self._static_host[:n], non_blocking=True)
-            self._static_copied.record()
-
-    def reset_static_inputs(self) -> None:
-        """Padding in every row of the static buffer (what graph capture runs on)."""
-        self._static_in.fill_(-1)
-        B = self.batch_buckets[-1]
-        head = self._static_in[:5 * B].view(5, B)
-        head[0] = 0
-        head[1] = self.cache.scratch_slot
-        head[2:4] = 0
-        head[4] = self.mc.top_k
-
-    def _decode_static(self, seqs: list[Sequence], B: int, N: int, offloaded: bool) -> Tensor:
-        """The static step for ``seqs`` padded to (B, N): a graph replay when one is captured
-        for the shape and the step needs nothing the graph leaves out, else eagerly. Returns
-        the real rows' logits in the callers' order."""
-        self._fill_static(seqs, B, N)
-        per_row = any(s.mc_top_k for s in seqs)
-        if (self.graphs is not None and not offloaded and not per_row
-                and self.graphs.has(B, N)):
-            return self.graphs.replay(B, N)[:len(seqs)].clone()  # the next replay overwrites
-        k_range = None
-        if per_row:
-            ks = [s.mc_top_k or self.mc.top_k for s in seqs]
-            ks += [self.mc.top_k] * (B - len(seqs))
-            k_range = (min(ks), max(ks))
-        return self.static_forward(B, N, top_k_range=k_range, offloaded=offloaded)[:len(seqs)]
-
-    @torch.no_grad()
-    def static_forward(self, B: int, N: int, *, top_k_range: tuple[int, int] | None = None,
-                       offloaded: bool = False) -> Tensor:
-        """The region a CUDA graph captures: one decode token for B rows (padding included)
-        whose inputs ``_fill_static`` wrote, with a block table N wide. Gathers every layer's
-        slot rows, runs embedding → layers (``forward_paged``) → LM head, scatters the rows'
-        new states back and re-initialises the scratch slot (so the padded rows always start
-        from a fresh state and never overflow). Returns logits ``(B, V)``.
-
-        No host syncs, no data-dependent Python branches and no host-to-device copies: shapes
-        come from (B, N) alone. ``top_k_range`` (per-request top_k) and ``offloaded`` (host-tier
-        blocks, fetched on demand) do sync, and are never captured."""
-        head = self._static_in[:5 * B].view(5, B)
-        table = self._static_in[5 * B:5 * B + B * N].view(B, N)
-        tokens, idx, seg_len, n_seg = head[0][:, None], head[1], head[2], head[3]
-        top_k = head[4] if top_k_range is not None else None
-        # a model whose fused decode reads the slot pools through a row index gets the pools
-        # and the rows: no gather into the padded batch, no scatter back (a layer that cannot
-        # take the fused call gathers its rows itself, PagedLayer.gathered)
-        rows = self._reads_state_rows()
-        layers = []
-        for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
-                                              strict=True)):
-            got = sl if rows else {n: t.index_select(0, idx) for n, t in sl.items()}
-            pl = self._paged_layer(li, mc, got, bl, seg_len, n_seg, table, top_k, top_k_range,
-                                   offloaded)
-            pl.rows = idx if rows else None
-            layers.append(pl)
-        logits = self.model.forward_paged(tokens, layers)[:, 0]  # (B, V)
-        if not rows:
-            for sl, pl in zip(self.cache.slot, layers, strict=True):
-                for name, t in self._layer_outputs(pl).items():
-                    sl[name].index_copy_(0, idx, t)  # padded rows all land on the scratch slot
-        self.cache.clear_slot(self.cache.scratch_slot, self.init_mem)
-        return logits
-
-    def _reads_state_rows(self) -> bool:
-        """Whether the static step hands the model its slot pools and a row index instead of
-        gathered rows: the model says its decode reads them (``decode_state_rows``) and the
-        kernel backend is active (the torch path would gather every layer anyway)."""
-        from mcserve.kernels import dispatch
-
-        if not getattr(self.model, "decode_state_rows", False):
-            return False
-        pool = next(iter(self.cache.slot[0].values()))
-        return dispatch.get_backend(pool) == "triton"
-
-    def capture_decode_graphs(self) -> bool:
-        """Capture the static decode step as CUDA graphs (one per batch and table-width
-        bucket) and turn the static step on; False, with the runner left eager, when the model
-        is not on a CUDA device or its step cannot be captured (a family that syncs, such as
-        the deep memories' inner-chunk fill, or loglinear's private states)."""
-        if (self.private or self.kv is not None or self.model.device.type != "cuda"
-                or not torch.cuda.is_available()):
-            return False
-        graphs = DecodeGraphs(self.static_forward, self.batch_buckets, self.width_buckets,
-                              before_capture=self.reset_static_inputs)
-        try:
-            graphs.capture()
-        except Exception as e:  # the eager step still serves; say why once
-            log.warning("decode CUDA graphs disabled, the decode step runs eagerly: %s: %s",
-                        type(e).__name__, e)
-            self.cache.clear_slot(self.cache.scratch_slot, self.init_mem)
-            return False
-        self.graphs = graphs
-        self.static_decode = True
-        return True
