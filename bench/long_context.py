@@ -1,4 +1,4 @@
-"""Long-context decode: mcserve MC variants against a Transformer with a KV cache, one run.
+"""Long-context decode: mcserve MC variants and a hybrid (LFM2) against a Transformer, one run.
 
 For each context length L (``--lengths``, default 1K 2K 4K 8K 16K 32K) and each model:
 
@@ -25,6 +25,20 @@ Models (all float32, random weights, the same seed for every variant):
   blocks, divided by ``max_num_seqs``). On a CPU-only host both tiers are RAM: the split shows
   what the engine *would* keep on a GPU, and the decode rate includes the copies. A fresh engine
   per (length, batch) sized for that batch; batch 8 only with ``--host-batches 1 8``.
+* ``hybrid``: an LFM2 (transformers ``Lfm2Config``/``Lfm2ForCausalLM``) of the same width and
+  depth: hidden 256, 4 layers (``layer_types`` conv, full_attention, conv, full_attention: gated
+  short convs of 3 taps and attention with 4 heads × 64, 4 KV heads), SwiGLU 688
+  (``block_auto_adjust_ff_dim`` off), vocab 4096, tied embeddings; random weights from
+  ``--seed``, written once with ``save_pretrained`` into ``baselines.cache_dir()``
+  (``lfm2-longctx-d256-l4-v4096-s<seed>``) and loaded by ``LLMEngine(EngineConfig(model=dir))``.
+  The same engine path and prompts as the MC variants (chunked prefill, ragged batched decode),
+  its attention layers on the paged KV pool (``num_kv_blocks`` sized so that every token of the
+  run stays in the pool: the resume points of earlier prompts keep their KV referenced). Bytes
+  per sequence: ``cache.bytes_per_slot`` (the conv tails) + the KV blocks the running
+  sequences' tables hold × ``engine.kv.bytes_per_block`` / batch (the JSON also has
+  ``stats()["kv_blocks_used"]``, which counts the blocks only resume points hold as well). KV
+  rows are 2 attention layers × 4 heads × 64 × 2 × 4 bytes = 4 KiB per token, half the
+  Transformer's.
 * ``loglinear``: measured through the model directly: ``model(ids)`` for the prefill (the
   vectorised chunked form) and ``model(tok, state)`` one token at a time (no scheduler, no
   sampler: a lower bound on what the engine, which decodes loglinear sequences one by one with
@@ -46,10 +60,12 @@ Models (all float32, random weights, the same seed for every variant):
 
 The mcserve engines of one variant are reused across lengths with prefix caching: rows 2..8 of
 the batch have prompts that extend their prompt of the previous length, so their prefill only
-computes the new part (untimed); row 1 (whose prefill is timed) is a fresh prompt each length.
+computes the new part (untimed; the hybrid resumes from a resume point, its conv tails and the KV
+before it); row 1 (whose prefill is timed) is a fresh prompt each length.
 
-    python bench/long_context.py                          # full: 1K..32K (about 20 min, 2 cores)
+    python bench/long_context.py                          # full: 1K..32K (25-30 min, 2 cores)
     python bench/long_context.py --lengths 1024 4096      # some lengths
+    python bench/long_context.py --models hybrid transformer   # the hybrid and the Transformer
     python bench/long_context.py --quick                  # CI smoke (lengths 256 512, < 1 min)
 
 Prints tables and writes ``bench/results/long_context.json`` (``--quick``:
@@ -91,7 +107,20 @@ ENGINE_VARIANTS = {
     "ssc8": ("ssc", 8, False),
     "ssc8-host": ("ssc", 8, True),
 }
-MODELS = list(ENGINE_VARIANTS) + ["loglinear", "transformer"]
+#: transformers ``Lfm2Config`` of the ``hybrid`` model: the width and depth of SHAPE, gated short
+#: convs (3 taps) in layers 0 and 2, attention (4 heads of 64, 4 KV heads) in layers 1 and 3, the
+#: SwiGLU width of the MC models and of the Llama (688, not auto-adjusted), tied embeddings
+HYBRID_SHAPE = dict(
+    vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["d_model"],
+    num_hidden_layers=SHAPE["n_layers"], num_attention_heads=SHAPE["n_heads"],
+    num_key_value_heads=SHAPE["n_heads"], head_dim=SHAPE["head_dim"],
+    intermediate_size=ModelConfig(d_model=SHAPE["d_model"]).mlp_hidden,
+    block_auto_adjust_ff_dim=False, conv_L_cache=3, norm_eps=1e-5,
+    layer_types=["conv", "full_attention", "conv", "full_attention"],
+    max_position_embeddings=65536, tie_word_embeddings=True,
+)
+HYBRID = "hybrid"
+MODELS = list(ENGINE_VARIANTS) + [HYBRID, "loglinear", "transformer"]
 TF_NAMES = {"dynamic": "transformer", "static": "transformer-static"}
 DTYPE_BYTES = 4  # float32
 
@@ -111,6 +140,15 @@ def make_model(variant: str, top_k: int, seed: int) -> MCForCausalLM:
     return model.eval()
 
 
+def hybrid_dir(seed: int) -> Path:
+    """The random-weight LFM2 checkpoint of ``HYBRID_SHAPE`` (transformers' ``Lfm2ForCausalLM``
+    seeded with ``seed``, ``save_pretrained`` into ``baselines.cache_dir()``; built on first use,
+    then reused)."""
+    from baselines import _hybrid_dir
+
+    return _hybrid_dir("lfm2-longctx", "Lfm2Config", "Lfm2ForCausalLM", HYBRID_SHAPE, seed)
+
+
 def prompt(length: int, seed: int, vocab: int = SHAPE["vocab_size"]) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=g).tolist()
@@ -128,9 +166,11 @@ def summarize(times: list[float], batch: int) -> dict:
 class EngineRun:
     """One engine; requests added, prefilled and decoded step by step."""
 
-    def __init__(self, model: MCForCausalLM, cfg: EngineConfig):
-        self.engine = LLMEngine(cfg, model=model, tokenizer=Tokenizer.byte_level(),
-                                model_name="random-default-shape")
+    def __init__(self, model: MCForCausalLM | None, cfg: EngineConfig):
+        # model None: the checkpoint directory cfg.model, loaded by the engine (the hybrid)
+        self.engine = (LLMEngine(cfg) if model is None else
+                       LLMEngine(cfg, model=model, tokenizer=Tokenizer.byte_level(),
+                                 model_name="random-default-shape"))
         self.ntok: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
 
@@ -188,42 +228,81 @@ class EngineRun:
         n_host = sum(b >= c.host_base for t in tables for b in t)
         assert (n_dev, n_host) == (st["state_blocks_used"], st["host_blocks_used"]), \
             ((n_dev, n_host), st)
-        return {"device_bytes": dev, "host_bytes": host,
-                "blocks_device": st["state_blocks_used"] / batch,
-                "blocks_host": st["host_blocks_used"] / batch,
-                "staging_bytes_share": staging, "host_bytes_moved": st["host_bytes_moved"],
-                "host_blocks_fetched": st["host_blocks_fetched"],
-                "host_blocks_offloaded": st["host_blocks_offloaded"]}
+        out = {"blocks_device": st["state_blocks_used"] / batch,
+               "blocks_host": st["host_blocks_used"] / batch,
+               "staging_bytes_share": staging, "host_bytes_moved": st["host_bytes_moved"],
+               "host_blocks_fetched": st["host_blocks_fetched"],
+               "host_blocks_offloaded": st["host_blocks_offloaded"]}
+        kv = self.engine.kv
+        if kv is not None:  # a hybrid: the KV blocks of the batch's attention layers
+            # the blocks the running sequences' tables hold; stats()["kv_blocks_used"] also
+            # counts the blocks that only resume points (earlier prompts) still hold
+            held = len({b for s in self.engine.scheduler.running for b in s.kv_table})
+            assert held <= st["kv_blocks_used"], (held, st)
+            kv_bytes = held * kv.bytes_per_block / batch
+            dev += kv_bytes
+            out.update({"state_slot_bytes": c.bytes_per_slot, "kv_bytes": kv_bytes,
+                        "kv_blocks": held / batch, "kv_block_tokens": kv.block_size,
+                        "kv_bytes_per_block": kv.bytes_per_block,
+                        "kv_blocks_used_pool": st["kv_blocks_used"],
+                        "kv_blocks_resume_points": st["kv_blocks_resume_points"],
+                        "kv_blocks_total": st["kv_blocks_total"]})
+        return {"device_bytes": dev, "host_bytes": host, **out}
 
     def finish(self) -> bool:
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
-        return self.engine.cache.is_whole()
+        eng = self.engine
+        kv_whole = eng.kv is None or eng.kv.is_whole(eng.resume.kv_held if eng.resume else 0)
+        return eng.cache.is_whole() and kv_whole
 
 
 def engine_config(bmax: int, max_len: int, blocks: int, host_blocks: int = 0,
-                  budget: int = 8192) -> EngineConfig:
+                  budget: int = 8192, **kw) -> EngineConfig:
     return EngineConfig(max_num_seqs=bmax, max_model_len=max_len, num_state_blocks=max(blocks, 2),
                         host_state_blocks=host_blocks, max_num_batched_tokens=budget,
-                        enable_prefix_caching=True)
+                        enable_prefix_caching=True, **kw)
+
+
+def _state_blocks(variant: str, args) -> int:
+    """Every state block the run needs fits without evicting: the fresh row-1 prompts of every
+    length, the nested rows at the longest length, and the generated tokens of every row and
+    length (``none`` caches none: only the warm-up's count and a margin of 4)."""
+    C = SHAPE["segment_len"]
+    bmax, lmax, extra = max(args.batches), max(args.lengths), args.extra_tokens
+    blocks = (sum(args.lengths) // C + (bmax - 1) * (lmax // C)
+              + bmax * len(args.lengths) * (extra // C + 2)) if variant != "none" else 2
+    return blocks + WARMUP_TOKENS // C + 2
+
+
+def hybrid_run(args) -> EngineRun:
+    """The ``hybrid`` engine: its checkpoint directory loaded by ``LLMEngine``, a KV pool that
+    holds, with no eviction, every token the run writes (the fresh row-1 prompts of every
+    length, the nested rows at the longest length, the generated tokens, the warm-up), which
+    the resume points of the earlier prompts keep referenced, plus a quarter."""
+    bmax, lmax, extra = max(args.batches), max(args.lengths), args.extra_tokens
+    bs = EngineConfig().kv_block_size
+    tokens = sum(args.lengths) + (bmax - 1) * lmax + bmax * len(args.lengths) * (extra + bs)
+    kv_blocks = math.ceil(1.25 * (tokens // bs + WARMUP_TOKENS // bs + 2 * bmax))
+    cfg = engine_config(bmax, lmax + extra + 1, 2, model=str(hybrid_dir(args.seed)),
+                        num_kv_blocks=kv_blocks)
+    return EngineRun(None, cfg)
 
 
 def bench_engine_variant(name: str, args, log) -> list[dict]:
-    """All lengths and batches of one engine variant (prefix-nested prompts, one engine)."""
-    variant, top_k, host = ENGINE_VARIANTS[name]
-    if host:
-        return bench_host_variant(name, args, log)
-    C = SHAPE["segment_len"]
-    bmax, lmax = max(args.batches), max(args.lengths)
-    extra = args.extra_tokens
-    max_len = lmax + extra + 1
-    # every block ever needed fits without evicting: fresh row-1 prompts of every length, the
-    # nested rows at the longest length, and the generated tokens of every row and length
-    blocks = (sum(args.lengths) // C + (bmax - 1) * (lmax // C)
-              + bmax * len(args.lengths) * (extra // C + 2)) if variant != "none" else 2
-    blocks += WARMUP_TOKENS // C + 2
-    model = make_model(variant, top_k, args.seed)
-    run = EngineRun(model, engine_config(bmax, max_len, blocks))
+    """All lengths and batches of one engine variant (prefix-nested prompts, one engine);
+    ``hybrid``: the LFM2 checkpoint through the same engine path (its KV paged)."""
+    if name == HYBRID:
+        variant, top_k = "none", None
+        model, run = None, hybrid_run(args)
+    else:
+        variant, top_k, host = ENGINE_VARIANTS[name]
+        if host:
+            return bench_host_variant(name, args, log)
+        model = make_model(variant, top_k, args.seed)
+        run = EngineRun(model, engine_config(max(args.batches), max(args.lengths)
+                                             + args.extra_tokens + 1, _state_blocks(variant, args)))
+    lmax = max(args.lengths)
     log(f"  {name}: {run.engine.describe()}")
     run.warm_up()
     rows = []
@@ -666,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         log(f"{m} ...")
         with torch.inference_mode():
-            if m in ENGINE_VARIANTS:
+            if m in ENGINE_VARIANTS or m == HYBRID:
                 rows += bench_engine_variant(m, args, log)
             elif m == "loglinear":
                 log("  loglinear: LLMEngine does not support it yet; measured through the model "
