@@ -503,49 +503,80 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
   float* yp = y.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   bool bad = false;
-  // one task per (row, KV head): each key and value row is read once for the rep query heads
-  // that share it
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> acc(rep * D), m(rep), s(rep), dot(rep);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / Hkv, g = r % Hkv;
-      const int64_t L = lp[b];
-      if (L < 1 || L > N * BS) { bad = true; continue; }
-      const float* qv = qp + (b * H + g * rep) * D;  // the rep heads of KV head g, in a row
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(s.begin(), s.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = tp[b * N + t / BS];
-        if (blk < 0 || blk >= NB) { bad = true; break; }
-        const int64_t off = ((blk * BS + t % BS) * Hkv + g) * D;
-        const float *kr = Kp + off, *vr = Vp + off;
-        for (int64_t j = 0; j < rep; ++j) {
-          const float* qj = qv + j * D;
-          float d = 0.f;
-          for (int64_t c = 0; c < D; ++c) d += qj[c] * kr[c];
-          dot[j] = d * sc;
-        }
-        for (int64_t j = 0; j < rep; ++j) {
-          float* aj = acc.data() + j * D;
-          if (dot[j] > m[j]) {
-            const float corr = std::exp(m[j] - dot[j]);
-            s[j] *= corr;
-            for (int64_t c = 0; c < D; ++c) aj[c] *= corr;
-            m[j] = dot[j];
-          }
-          const float p = std::exp(dot[j] - m[j]);
-          s[j] += p;
-          for (int64_t c = 0; c < D; ++c) aj[c] += p * vr[c];
-        }
+  // Split-K (flash-decoding): a task is a run of up to kRun blocks of one row, all heads; it reads
+  // each token's keys (then values) of every KV head as one contiguous row, scores a block at a
+  // time (vectorised dot products), rescales its running sums once per block and head (online
+  // softmax) and leaves a partial (max, sum, accumulator) per head; the partials of a row are
+  // merged after. Long rows thus spread over the threads even at batch 1.
+  constexpr int64_t kRun = 32;
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= N * BS,
+                "paged_attention_decode: a length is outside the row's table");
+  std::vector<int64_t> first(B + 1, 0);  // the row's first task
+  for (int64_t b = 0; b < B; ++b)
+    first[b + 1] = first[b] + ((lp[b] + BS - 1) / BS + kRun - 1) / kRun;
+  const int64_t T = first[B], W = D + 2;  // per head: max, sum, accumulator
+  std::vector<float> part(T * H * W);
+  const int64_t ts = Hkv * D;  // floats from one token's row to the next token's
+  at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> sco(H * BS);
+    for (int64_t task = r0; task < r1; ++task) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t L = lp[b], blk0 = (task - first[b]) * kRun;
+      const int64_t blk1 = std::min((L + BS - 1) / BS, blk0 + kRun);
+      const float* qv = qp + b * H * D;
+      float* pt = part.data() + task * H * W;
+      for (int64_t h = 0; h < H; ++h) {
+        pt[h * W] = -std::numeric_limits<float>::infinity();
+        std::fill(pt + h * W + 1, pt + (h + 1) * W, 0.f);
       }
-      for (int64_t j = 0; j < rep; ++j) {
-        float* out = yp + (b * H + g * rep + j) * D;
-        const float* aj = acc.data() + j * D;
-        for (int64_t c = 0; c < D; ++c) out[c] = aj[c] / s[j];
+      for (int64_t bi = blk0; bi < blk1; ++bi) {
+        const int64_t blk = tp[b * N + bi];
+        if (blk < 0 || blk >= NB) { bad = true; break; }
+        const int64_t n = std::min(BS, L - bi * BS);
+        const float* kb = Kp + blk * BS * ts;
+        const float* vb = Vp + blk * BS * ts;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t h = 0; h < H; ++h)
+            sco[h * BS + i] = dot(qv + h * D, kb + i * ts + (h / rep) * D, D) * sc;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* sh = sco.data() + h * BS;
+          float* ph = pt + h * W;  // max, sum, accumulator
+          float* ah = ph + 2;
+          float bm = sh[0];
+          for (int64_t i = 1; i < n; ++i) bm = std::max(bm, sh[i]);
+          if (bm > ph[0]) {
+            const float corr = std::exp(ph[0] - bm);
+            ph[1] *= corr;
+            for (int64_t c = 0; c < D; ++c) ah[c] *= corr;
+            ph[0] = bm;
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            const float p = std::exp(sh[i] - ph[0]);
+            ph[1] += p;
+            const float* vr = vb + i * ts + (h / rep) * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) ah[c] += p * vr[c];
+          }
+        }
       }
     }
   });
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) M = std::max(M, part[(t * H + h) * W]);
+      float* out = yp + (b * H + h) * D;
+      float S = 0.f;
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+        const float* ph = part.data() + (t * H + h) * W;
+        const float w = std::exp(ph[0] - M);
+        S += w * ph[1];
+        for (int64_t c = 0; c < D; ++c) out[c] += w * ph[2 + c];
+      }
+      for (int64_t c = 0; c < D; ++c) out[c] /= S;
+    }
+  }
   TORCH_CHECK(!bad, "paged_attention_decode: a length or block id is outside the pool");
   return y;
 }
