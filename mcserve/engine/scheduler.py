@@ -73,8 +73,8 @@ class Scheduler:
         self.prompt_tokens_cached = 0  # ... of which came from the state cache
         self.on_release = lambda seq: None  # the runner forgets per-sequence private state
         self.on_keep = lambda seq: None  # the runner keeps a resume point of seq's state now
-        # hybrid models: the attention layers' paged KV (set by the engine). Preemption then
-        # recomputes (the KV stays in the pool only while a resume point holds it)
+        # hybrid models: the attention layers' paged KV (set by the engine). A preempted hybrid
+        # is not swapped: it leaves a resume point (``on_keep``) and resumes from it
         self.kv: KVCache | None = None
 
     # ------------------------------------------------------------------ queue
