@@ -61,8 +61,8 @@ class ResumePoint:
     block_hashes: list[bytes] = field(default_factory=list)
     blocks: PrefixExport | None = None
     # hybrid models: the KV pool blocks of the tokens before ``pos`` (the store holds a
-    # reference on each; the last one may be partial). Such a point stays in memory: spilling
-    # or evicting it drops it and gives the blocks back (``release_kv``)
+    # reference on each; the last one may be partial). Leaving the device tier, the point
+    # copies that KV out (``kv``) and gives the blocks back (``release_kv``)
     kv_blocks: list[int] | None = None
     # a hybrid's point out of the KV pool (host tier, disk, export): that KV as tensors
     # ``(attention layers, pos, Hkv, D)``, keys and values; written into new blocks on a hit
