@@ -338,3 +338,27 @@ def test_apply_token_bitmask_matches_a_reference() -> None:
             assert torch.equal(out[r], logits[r])
     short = apply_token_bitmask(logits, rows, bitmask[:, :3])  # words for 96 tokens only
     assert bool((short[rows][:, 96:] == -math.inf).all())
+
+
+def test_masks_in_the_calling_thread_equal_the_pools(llm: LLM) -> None:
+    """``fill`` in the calling thread (the CPU with torch on every core) and through
+    llguidance's thread pool give the same bitmasks, step after step of several matchers."""
+    from mcserve.engine.structured import StructuredOutputs
+
+    tok, V = llm.engine.tokenizer, llm.engine.model_config.vocab_size
+    inline = StructuredOutputs(tok, V, inline=True)
+    pooled = StructuredOutputs(tok, V, threads=2, inline=False)
+    specs = [StructuredOutputsParams(json=random_schema(random.Random(s))) for s in range(4)]
+    specs.append(StructuredOutputsParams(regex="[a-c]{2,5}-[0-9]+"))
+    pairs = [(inline.matcher(sp), pooled.matcher(sp)) for sp in specs]
+    rng = random.Random(0)
+    for _ in range(12):
+        a = inline.fill([p[0] for p in pairs]).clone()
+        b = pooled.fill([p[1] for p in pairs]).clone()
+        assert torch.equal(a, b)
+        for r, (m1, m2) in enumerate(pairs):
+            allowed = ((a[r][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)
+            ids = allowed.nonzero().flatten().tolist()
+            if ids and not m1.is_stopped():
+                t = rng.choice(ids)
+                assert m1.consume_token(t) and m2.consume_token(t)

@@ -121,7 +121,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._token_text: dict[int, str] = {}  # decoded_token of reported logprobs
         # structured outputs: compiled constraints (llguidance loads on the first one)
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                            device_type=model.device.type)
         self._masks: BatchMasks | None = None  # this step's, filled before the sampler
 
     def _pool_size(self, config: EngineConfig, mc: MCConfig) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -121,16 +122,25 @@ class StructuredOutputs:
     ``compile(spec)`` returns the matcher template of a constraint, compiling it on first use
     (at most ``cache_size`` kept, least recently used out; a constraint that failed fails
     again at once). ``matcher(spec)`` is a fresh copy for one sequence. ``fill(matchers)``
-    computes the allowed tokens of every matcher in one call into an int32 ``(R, ceil(V/32))``
-    bitmask (bit ``t % 32`` of word ``t // 32`` set: token t allowed).
+    computes the allowed tokens of every matcher into an int32 ``(R, ceil(V/32))`` bitmask (bit
+    ``t % 32`` of word ``t // 32`` set: token t allowed): in one call of llguidance's thread
+    pool (``threads`` of them), or (``inline``; by default when the model runs on the CPU with
+    torch's threads on every core) one matcher after another in the calling thread: a pool's
+    threads would compete with torch's for the cores, and the model's next op would wait for a
+    descheduled thread (docs/engine-sampling.md, Cost).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, cache_size: int = CACHE_SIZE,
-                 threads: int | None = None):
+                 threads: int | None = None, device_type: str = "cpu",
+                 inline: bool | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.cache_size = cache_size
         self.threads = threads
+        if inline is None:  # the CPU with torch's threads on every core: no pool of our own
+            spare = (os.cpu_count() or 1) - torch.get_num_threads()
+            inline = threads is None and device_type == "cpu" and spare < 1
+        self.inline = inline  # ``fill`` in the calling thread
         self._lock = threading.Lock()
         self._ll: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -223,17 +233,21 @@ class StructuredOutputs:
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """The allowed-token bitmasks ``(len(matchers), words)`` (int32, CPU) of the matchers'
-        next tokens, computed in one llguidance call (a view of a buffer reused by the next
-        call). A matcher in its error state allows no token: the sampler then picks one that
-        the matcher refuses, which fails that request (``LLMEngine._append``)."""
+        next tokens (a view of a buffer reused by the next call). A matcher in its error state
+        allows no token: the sampler then picks one that the matcher refuses, which fails that
+        request (``LLMEngine._append``)."""
         import llguidance as llg
 
         r = len(matchers)
-        if self._executor is None:
-            self._executor = llg.LLExecutor(num_threads=self.threads)
         if self._buffer is None or self._buffer.shape[0] < r:
             self._buffer = torch.empty((max(r, 8), self.words), dtype=torch.int32)
         buf = self._buffer[:r]
+        if self.inline:
+            for i, m in enumerate(matchers):
+                m.unsafe_compute_mask_ptr(buf[i].data_ptr(), self.words * 4)
+            return buf
+        if self._executor is None:
+            self._executor = llg.LLExecutor(num_threads=self.threads)
         # what llguidance.torch.fill_next_token_bitmask_par does; that module is not imported:
         # it decorates a function with torch.compile at import, which loads torch._dynamo (2 s)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
