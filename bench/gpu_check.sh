@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one call of at most 8 minutes (the three limits below
 # plus their kill grace):
-#   (a) the CUDA tests: the Triton kernels compiled (not interpreted) against their torch twins
-#       and reference loops, and the engine on CUDA against the CPU engine;
+#   (a) the CUDA tests: the hybrid families on CUDA against the CPU engine (first), the Triton
+#       kernels compiled (not interpreted) against their torch twins and reference loops, and
+#       the engine on CUDA against the CPU engine;
 #   (b) bench/kernels.py --quick: the kernel timings against the bandwidth floor;
 #   (c) bench/gpu.py: Mamba2-130M and long-context decode/prefill against transformers, and the
 #       CUDA-graph step, with a time budget.
@@ -16,7 +17,11 @@
 # Each step runs under `timeout -s INT` (pytest and gpu.py report what they have on SIGINT);
 # GPU_CHECK_PYTEST_S / GPU_CHECK_KERNELS_S / GPU_CHECK_BENCH_S change the limits (210/45/190 s;
 # gpu.py gets a --time-budget-s 60 s under its limit so that the row running when the budget
-# ends, and the report, still fit). The last line is a one-line summary.
+# ends, and the report, still fit); GPU_CHECK_BENCH_ARGS adds arguments to gpu.py (say
+# "--sections mamba2 long_context --streams 1 256"). The hybrid tests save their tiny checkpoints
+# with the image's transformers, or read them from bench/results/tmp_hybrid_fixtures when that
+# exists (`cd tests && python -m hybrid_models ../bench/results/tmp_hybrid_fixtures` on a machine
+# with the project's transformers; carry the folder). The last line is a one-line summary.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 t_start=$SECONDS
@@ -42,6 +47,9 @@ mkdir -p "$logs" "$(dirname "$kernels_json")"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the device has no network: transformers must not try the hub
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ -z "${MCSERVE_HYBRID_FIXTURES:-}" ] && [ -d bench/results/tmp_hybrid_fixtures ]; then
+    export MCSERVE_HYBRID_FIXTURES=$PWD/bench/results/tmp_hybrid_fixtures
+fi
 
 py=python3
 command -v "$py" >/dev/null || py=python
@@ -74,7 +82,7 @@ if [ "$dry" = 1 ]; then
 else
     echo "== (a) CUDA tests (timeout ${pytest_s} s)"
     MCSERVE_TEST_CUDA=1 timeout -s INT -k 10 "$pytest_s" "$py" -m pytest -q -p no:cacheprovider \
-        -rs tests/test_cuda.py tests/test_triton_kernels.py tests/test_triton_fused.py \
+        -rs tests/test_cuda_hybrid.py tests/test_cuda.py tests/test_triton_kernels.py tests/test_triton_fused.py \
         2>&1 | tee "$logs/gpu_pytest.log"
     rc_test=$?
     test_line=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$logs/gpu_pytest.log" \
@@ -89,7 +97,9 @@ rc_kernels=$?
 
 # (c) the GPU comparisons
 echo "== (c) bench/gpu.py --time-budget-s ${budget_s} (timeout ${bench_s} s)"
+# shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of words
 timeout -s INT -k 10 "$bench_s" "$py" bench/gpu.py --time-budget-s "$budget_s" "${gpu_args[@]}" \
+    ${GPU_CHECK_BENCH_ARGS:-} \
     2>&1 | tee "$logs/gpu_bench.log"
 rc_bench=$?
 

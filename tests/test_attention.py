@@ -83,3 +83,16 @@ def test_paged_decode_matches_naive(H, Hkv, D):
     with cpu_ops.twins_only():  # the gathered path (what runs where the C++ op does not)
         got = ops.paged_decode(q, k_pool, v_pool, tables, lengths, D ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_frequencies_follow_the_layer_device_and_stay_float32():
+    # a decode step must not copy them from the host (a sync no CUDA graph can hold)
+    from mcserve.models.attention import Attention, Rotary
+
+    a = Attention(16, 2, 1, 8, 0, rotary=Rotary(8, 8, 1e4))
+    a.to(device="meta")
+    assert a.rotary.inv_freq.device.type == "meta"
+    a.to(dtype=torch.bfloat16)  # no device: stays where it is, in float32
+    assert a.rotary.inv_freq.device.type == "meta"
+    assert a.rotary.inv_freq.dtype == torch.float32
+    assert a.q_proj.weight.dtype == torch.bfloat16

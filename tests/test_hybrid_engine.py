@@ -257,3 +257,25 @@ def test_static_decode_step_matches_the_ragged_one(family):
         lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=1e-5, rtol=0)
     _assert_whole(eng)
+
+
+def test_static_step_on_padding_touches_only_the_scratch_rows(family):
+    """What CUDA-graph warm-up and capture run: the static step on the padding that
+    ``reset_static_inputs`` writes, at every (batch, width) bucket. It reads and writes only the
+    scratch slot and the KV pool's scratch block (a layout that depended on the batch once sent
+    smaller buckets' KV writes to block 0 and their reads past the pool)."""
+    path, _ = family
+    eng = _engine(path)
+    r, kv = eng.runner, eng.kv
+    kv.k.fill_(float("nan"))
+    kv.v.fill_(float("nan"))
+    kv.k[:, kv.scratch] = 0.0
+    kv.v[:, kv.scratch] = 0.0
+    r.reset_static_inputs()
+    for B in r.batch_buckets:
+        for N in r.width_buckets:
+            logits = r.static_forward(B, N)
+            assert logits.shape[0] == B and torch.isfinite(logits).all(), (B, N)
+    others = [b for b in range(kv.k.shape[1]) if b != kv.scratch]
+    assert kv.k[:, others].isnan().all() and kv.v[:, others].isnan().all()
+    _assert_whole(eng)

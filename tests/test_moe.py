@@ -51,17 +51,31 @@ def test_fast_matches_naive(name, n):
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["grouped", "gathered"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_grouped_matches_loop(name):
-    """The sync-free grouped path (F.grouped_mm; float32 runs on the CPU) and the loop."""
+def test_sync_free_paths_match_loop(name, impl):
+    """The sync-free paths (F.grouped_mm, float32 runs on the CPU; the gathered weights of each
+    pair) and the loop."""
     loop = SparseMoE(D, **CONFIGS[name], impl="loop").eval()
-    grouped = SparseMoE(D, **CONFIGS[name], impl="grouped").eval()
+    fast = SparseMoE(D, **CONFIGS[name], impl=impl).eval()
     _randomise(loop, 11)
-    grouped.load_state_dict(loop.state_dict())
+    fast.load_state_dict(loop.state_dict())
     for n in (1, 7, 33):
         x = torch.randn(n, D, generator=torch.Generator().manual_seed(n))
         with torch.no_grad():
-            torch.testing.assert_close(grouped(x), loop(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fast(x), loop(x), atol=1e-5, rtol=1e-5)
+    assert fast.max_sync_free_tokens(torch.float32, torch.device("cpu")) is None
+    assert loop.max_sync_free_tokens(torch.float32, torch.device("cpu")) == 0
+
+
+def test_auto_picks_a_sync_free_path_on_cuda_for_few_pairs():
+    moe = SparseMoE(D, **CONFIGS[sorted(CONFIGS)[0]]).eval()
+    cuda = torch.device("cuda")
+    h = torch.empty(0, D, device="meta")
+    assert moe._impl(h) == "loop"  # not CUDA
+    limit = moe.n_experts // moe.top_k
+    assert moe.max_sync_free_tokens(torch.float32, cuda) == limit
+    assert moe.max_sync_free_tokens(torch.float32, torch.device("cpu")) == 0
 
 
 def test_sigmoid_router_stays_fp32():

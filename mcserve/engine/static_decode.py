@@ -29,9 +29,11 @@ class StaticDecode:
     (model, caches, buckets, ``_paged_layer``)."""
 
     def _static_buffers(self) -> None:
-        """The static inputs, one buffer: ``_HEAD`` rows of B (token, slot, fill, segments,
-        top_k, KV length, KV write row), then the table; on a GPU filled by one copy from a
-        pinned twin."""
+        """The static inputs, one buffer: ``_HEAD`` rows of the largest batch bucket (token,
+        slot, fill, segments, top_k, KV length, KV write row; a step of B rows reads the first
+        B of each), then the table; on a GPU filled by one copy from a pinned twin. The layout
+        does not depend on B, so the padding ``reset_static_inputs`` writes is valid for
+        every bucket that warm-up and capture run."""
         B, N = self.batch_buckets[-1], self.width_buckets[-1]
         dev = self.model.device
         self._static_in = torch.empty(_HEAD * B + B * N, dtype=torch.long, device=dev)
@@ -59,12 +61,13 @@ class StaticDecode:
         return None if B is None or N is None else (B, N)
 
     def _fill_static(self, seqs: list[Sequence], B: int, N: int) -> None:
-        """Write the step's inputs into the static buffer, laid out for (B, N) as
-        ``static_forward`` reads it: rows of (token, slot, segment fill, cached segments,
-        top_k, KV length, KV write row) as a (_HEAD, B) block, then the (B, N) block table (a
+        """Write the step's inputs into the static buffer as ``static_forward`` reads it:
+        rows of (token, slot, segment fill, cached segments, top_k, KV length, KV write row),
+        the first B columns of the (_HEAD, largest bucket) head, then the (B, N) block table (a
         hybrid's: its KV table). Rows past ``len(seqs)`` are padding: the scratch slot, no
         blocks (a hybrid's: one token in the KV pool's scratch block)."""
         pad = B - len(seqs)
+        Bmax = self.batch_buckets[-1]
         k0 = self.mc.top_k
         kv = self.kv
         vals = ([s.last_id for s in seqs] + [0] * pad
@@ -82,19 +85,19 @@ class StaticDecode:
                       for s in seqs for p in (s.num_computed_tokens,)]
                      + [kv.scratch * bs] * pad)
             tables, fill = [s.kv_table for s in seqs], kv.scratch
+        table: list[int] = []
         if N:
             for t in tables:
-                vals += t
-                vals += [-1] * (N - len(t))
-            vals += [fill] * (N * pad)
-        host = torch.tensor(vals, dtype=torch.long)
-        n = host.numel()
-        if self._static_host is None:  # CPU: the static buffer is host memory already
-            self._static_in[:n].copy_(host)
-        else:  # one pinned host-to-device copy, asynchronous: the pinned buffer is reused
-            # only once the previous step's copy out of it has finished
-            self._static_copied.synchronize()
-            self._static_host[:n].copy_(host)
+                table += t
+                table += [-1] * (N - len(t))
+            table += [fill] * (N * pad)
+        n = _HEAD * Bmax + B * N
+        dst = self._static_in if self._static_host is None else self._static_host
+        if self._static_host is not None:  # the pinned buffer is reused only once the
+            self._static_copied.synchronize()  # previous step's copy out of it has finished
+        dst[:_HEAD * Bmax].view(_HEAD, Bmax)[:, :B] = torch.tensor(vals).view(_HEAD, B)
+        dst[_HEAD * Bmax:n] = torch.tensor(table, dtype=torch.long)
+        if self._static_host is not None:  # one asynchronous host-to-device copy
             self._static_in[:n].copy_(self._static_host[:n], non_blocking=True)
             self._static_copied.record()
 
@@ -103,7 +106,7 @@ class StaticDecode:
         kv = self.kv
         self._static_in.fill_(-1 if kv is None else kv.scratch)  # tables: no block / scratch
         B = self.batch_buckets[-1]
-        head = self._static_in[:_HEAD * B].view(_HEAD, B)
+        head = self._static_in[:_HEAD * B].view(_HEAD, B)  # B: the largest bucket
         head[0] = 0
         head[1] = self.cache.scratch_slot
         head[2:4] = 0
@@ -139,8 +142,9 @@ class StaticDecode:
         No host syncs, no data-dependent Python branches and no host-to-device copies: shapes
         come from (B, N) alone. ``top_k_range`` (per-request top_k) and ``offloaded`` (host-tier
         blocks, fetched on demand) do sync, and are never captured."""
-        head = self._static_in[:_HEAD * B].view(_HEAD, B)
-        table = self._static_in[_HEAD * B:_HEAD * B + B * N].view(B, N)
+        Bmax = self.batch_buckets[-1]
+        head = self._static_in[:_HEAD * Bmax].view(_HEAD, Bmax)[:, :B]
+        table = self._static_in[_HEAD * Bmax:_HEAD * Bmax + B * N].view(B, N)
         tokens, idx, seg_len, n_seg = head[0][:, None], head[1], head[2], head[3]
         top_k = head[4] if top_k_range is not None else None
         kw = {}
@@ -186,7 +190,12 @@ class StaticDecode:
         if (self.private or not self._static_kv or self.model.device.type != "cuda"
                 or not torch.cuda.is_available()):
             return False
-        graphs = DecodeGraphs(self.static_forward, self.batch_buckets, self.width_buckets,
+        limit = self.model.max_graph_batch()
+        batches = [b for b in self.batch_buckets if limit is None or b <= limit]
+        if not batches:
+            log.info("decode CUDA graphs off: the model's step syncs at every batch size")
+            return False
+        graphs = DecodeGraphs(self.static_forward, batches, self.width_buckets,
                               before_capture=self.reset_static_inputs)
         try:
             graphs.capture()

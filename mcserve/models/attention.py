@@ -53,7 +53,7 @@ class Rotary:
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``positions.shape + (rotary_dim,)`` cosines and sines."""
-        f = positions[..., None].float() * self.inv_freq.to(positions.device)
+        f = positions[..., None].float() * self.inv_freq  # on the model's device (Attention)
         emb = torch.cat([f, f], -1)
         return ((emb.cos() * self.attention_scaling).to(dtype),
                 (emb.sin() * self.attention_scaling).to(dtype))
@@ -179,6 +179,15 @@ class Attention(nn.Module):
                                 else o_bias)
         self.q_norm = q_norm
         self.k_norm = k_norm
+
+    def _apply(self, fn, recurse: bool = True):
+        # the rotary frequencies stay float32 but follow the layer's device, so that a decode
+        # step never copies them from the host (a sync, and no CUDA graph could hold it)
+        super()._apply(fn, recurse)
+        if self.rotary is not None:
+            inv = self.rotary.inv_freq
+            self.rotary.inv_freq = inv.to(fn(inv).device)  # fn's device, float32 kept
+        return self
 
     def _qkv(self, x: Tensor, rope: tuple[Tensor, Tensor] | None
              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:

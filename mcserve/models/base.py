@@ -29,6 +29,17 @@ class RecurrentLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def max_graph_batch(self) -> int | None:
+        """The largest decode batch whose step runs without a host sync on the model's device
+        (what CUDA graphs can hold); None: no bound. A sparse MoE layer without its grouped
+        path bounds it (``SparseMoE.max_sync_free_tokens``)."""
+        from mcserve.models.moe import SparseMoE
+
+        limits = [m.max_sync_free_tokens(self.dtype, self.device) for m in self.modules()
+                  if isinstance(m, SparseMoE)]
+        limits = [n for n in limits if n is not None]
+        return min(limits) if limits else None
+
     def init_state(self, batch: int = 1) -> ModelState:
         return ModelState([blk.mixer.init_state(batch, self.dtype, self.device)
                            for blk in self.layers])

@@ -72,9 +72,13 @@ matmul pair per expert over exactly its tokens (experts with none are skipped), 
 weighted rows back with ``index_add_``. Two ways to run the experts (``impl``): ``"loop"``, one
 matmul pair per expert with tokens (it reads the per-expert counts on the host: one sync per
 call, so a static CUDA-graph decode step cannot capture it), and ``"grouped"``, one
-``F.grouped_mm`` per projection over the expert offsets (no host sync: capturable); ``"auto"``
-(the default) takes the grouped one where ``F.grouped_mm`` runs (bfloat16 on CUDA, SM 80+, rows
-a multiple of 8) and the loop elsewhere. With sigmoid routing the router and
+``F.grouped_mm`` per projection over the expert offsets (no host sync: capturable), and
+``"gathered"``, each pair's expert weights gathered by index and one batched matmul per
+projection (no host sync; reads each chosen expert once per pair, so it pays only while the
+pairs are few: a decode step). ``"auto"`` (the default) takes the grouped one where
+``F.grouped_mm`` runs (bfloat16 on CUDA, SM 80+, rows a multiple of 8), else on CUDA the
+gathered one while the pairs are no more than the experts (``max_sync_free_tokens``), and the
+loop elsewhere. With sigmoid routing the router and
 ``e_score_correction_bias`` stay float32 through ``.to(dtype)`` (``router_fp32``), as
 transformers keeps them. :func:`naive_moe` is the same sum written out per token and per chosen
 expert, for the tests.
@@ -92,7 +96,7 @@ ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid")
 #: how the experts run: "loop" (one matmul pair per expert with tokens; reads the counts on the
 #: host), "grouped" (``F.grouped_mm`` over the expert offsets, no host sync), "auto" (grouped
 #: where ``F.grouped_mm`` runs: bfloat16 on CUDA, SM 80+; the loop elsewhere)
-IMPLS = ("auto", "loop", "grouped")
+IMPLS = ("auto", "loop", "grouped", "gathered")
 
 
 def _relu2(x: Tensor) -> Tensor:
@@ -163,6 +167,18 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(d_model, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, d_model, bias=bias)
         self.act = act
+
+    def _experts_gathered(self, hs: Tensor, idx: Tensor, order: Tensor) -> Tensor:
+        """The same with each pair's expert weights gathered by index: no host sync."""
+        ex = self.experts
+        e = idx.reshape(-1).index_select(0, order)  # each pair's expert, in pair order
+        h = torch.bmm(ex.w_in.index_select(0, e), hs[:, :, None])[..., 0]
+        if ex.gated:
+            g, u = h.split(ex.intermediate, dim=-1)
+            h = self.act(g) * u
+        else:
+            h = self.act(h)
+        return torch.bmm(ex.down_proj.index_select(0, e), h[:, :, None])[..., 0]
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_proj is None:
@@ -310,15 +326,33 @@ class SparseMoE(nn.Module):
             routed = routed + shared
         return routed.view(shape)
 
-    def _use_grouped(self, h: Tensor) -> bool:
-        if self.impl != "auto":
-            return self.impl == "grouped"
+    def _grouped_runs(self, dtype: torch.dtype, device: torch.device) -> bool:
         # F.grouped_mm: bfloat16 on CUDA (SM 80+), rows of 16-byte multiples
         w = self.experts.w_in
-        return (h.is_cuda and h.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-                and hasattr(F, "grouped_mm") and h.shape[-1] % 8 == 0
+        return (device.type == "cuda" and dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and hasattr(F, "grouped_mm") and self.experts.down_proj.shape[1] % 8 == 0
                 and self.experts.intermediate % 8 == 0
-                and torch.cuda.get_device_capability(h.device) >= (8, 0))
+                and torch.cuda.get_device_capability(device) >= (8, 0))
+
+    def _impl(self, h: Tensor) -> str:
+        if self.impl != "auto":
+            return self.impl
+        if self._grouped_runs(h.dtype, h.device):
+            return "grouped"
+        if h.is_cuda and h.shape[0] * self.top_k <= self.n_experts:
+            return "gathered"
+        return "loop"
+
+    def max_sync_free_tokens(self, dtype: torch.dtype, device: torch.device) -> int | None:
+        """The most tokens one call takes without a host sync (what a CUDA graph of the decode
+        step can hold): no bound (None) where the grouped path runs or a sync-free one is
+        forced, else the gathered path's ``n_experts // top_k`` on CUDA (0 elsewhere: the loop
+        syncs)."""
+        if self.impl == "loop":
+            return 0
+        if self.impl != "auto" or self._grouped_runs(dtype, device):
+            return None
+        return self.n_experts // self.top_k if device.type == "cuda" else 0
 
     def _sorted(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         """The (token, expert) pairs in expert order: ``(order, token of each pair)``."""
@@ -353,6 +387,18 @@ class SparseMoE(nn.Module):
             h = self.act(h)
         return grouped(h, ex.down_proj.transpose(-2, -1), offs=offs)
 
+    def _experts_gathered(self, hs: Tensor, idx: Tensor, order: Tensor) -> Tensor:
+        """The same with each pair's expert weights gathered by index: no host sync."""
+        ex = self.experts
+        e = idx.reshape(-1).index_select(0, order)  # each pair's expert, in pair order
+        h = torch.bmm(ex.w_in.index_select(0, e), hs[:, :, None])[..., 0]
+        if ex.gated:
+            g, u = h.split(ex.intermediate, dim=-1)
+            h = self.act(g) * u
+        else:
+            h = self.act(h)
+        return torch.bmm(ex.down_proj.index_select(0, e), h[:, :, None])[..., 0]
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -360,8 +406,11 @@ class SparseMoE(nn.Module):
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         order, tok = self._sorted(idx)
         hs = h.index_select(0, tok)
-        if self._use_grouped(h):
+        impl = self._impl(h)
+        if impl == "grouped":
             ys = self._experts_grouped(hs, idx)
+        elif impl == "gathered":
+            ys = self._experts_gathered(hs, idx, order)
         else:
             ys = self._experts_loop(hs, idx)
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
