@@ -6,8 +6,8 @@ graphs (the KV table in the static step), and a resumed next turn equals a fresh
 Run as ``MCSERVE_TEST_CUDA=1 pytest tests/test_cuda_hybrid.py``. The tiny checkpoints are saved
 by transformers; a GPU image whose transformers lacks a family can be pointed at checkpoints
 saved elsewhere with ``MCSERVE_HYBRID_FIXTURES=DIR`` (``DIR/<model_type>/``, as
-``cd tests && python -m hybrid_models DIR`` writes them). Without a GPU every test here skips, naming
-it.
+``cd tests && python -m hybrid_models DIR`` writes them). Without a GPU every test here
+skips, naming it.
 """
 
 from __future__ import annotations
