@@ -166,25 +166,76 @@ def test_closed_schema() -> None:
     assert s["properties"]["c"]["anyOf"][0]["additionalProperties"] is True
 
 
-def test_stream_holds_a_call_and_sends_the_text_before_it() -> None:
+def _stream(stream: ToolStream, full: str, cuts) -> tuple[str, dict, str | None]:
+    """Feed ``stream`` the answer ``full`` cut at ``cuts`` then finished; the content sent and
+    the calls as a client accumulates them ({index: [id, name, arguments]})."""
+    content, calls, finish = "", {}, None
+    for end in [*cuts, len(full)]:
+        last = end == len(full) and end == cuts[-1] if cuts else False
+        delta, deltas, finish = stream.step(full[:end], "stop" if end == len(full) and
+                                            not last else None)
+        content += delta
+        for d in deltas or []:
+            c = calls.setdefault(d.index, [None, None, ""])
+            if d.id is not None:
+                assert c[0] is None, "a call's id is sent once"
+                c[0], c[1] = d.id, d.function.name
+            else:
+                assert d.function.name is None
+            c[2] += d.function.arguments or ""
+    return content, calls, finish
+
+
+def test_stream_sends_the_text_before_a_call_then_the_call_piece_by_piece() -> None:
     tools = ToolRequest(HermesParser(), [WEATHER], {"get_weather"}, None, True)
-    stream = ToolStream(tools)
     full = ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
             '"unit": "celsius"}}\n</tool_call>')
-    sent = ""
-    for end in (4, 8, 10, 20, len(full)):
-        delta, calls, finish = stream.step(full[:end], None)
-        assert calls is None and finish is None
-        sent += delta
-    assert sent == "Sure. "  # "<tool_" was held back, then the whole call
-    delta, calls, finish = stream.step(full, "stop")
-    assert delta == "" and finish == "tool_calls" and calls is not None
-    assert calls[0].index == 0 and calls[0].function is not None
-    assert json.loads(calls[0].function.arguments) == {"city": "Rome", "unit": "celsius"}
+    stream = ToolStream(tools)
+    pieces = []
+    for end in range(1, len(full)):
+        delta, deltas, finish = stream.step(full[:end], None)
+        assert finish is None
+        if end < full.index("<"):
+            assert deltas is None
+        pieces += [d.function.arguments for d in deltas or [] if d.function.arguments]
+        assert "<" not in delta
+    assert len(pieces) > 5  # the arguments went out as the model wrote them
+    stream = ToolStream(tools)
+    content, calls, finish = _stream(stream, full, [4, 8, 10, 20, 40, 60, 75])
+    assert content == "Sure. " and finish == "tool_calls"  # "<tool_" was held back
+    (cid, name, args), = calls.values()
+    assert cid.startswith("call_") and name == "get_weather"
+    assert json.loads(args) == {"city": "Rome", "unit": "celsius"}
+    assert args == tools.parse(full)[1][0].arguments  # what the whole answer reports
     # text that only looked like a call start goes out as content at the end
     stream = ToolStream(tools)
     assert stream.step("a <tool_call> b", None)[0] == "a "
     assert stream.step("a <tool_call> b", "stop") == ("<tool_call> b", None, "stop")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_stream_of_several_calls_adds_up_to_the_whole_answer(parallel: bool) -> None:
+    other = {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}}}}
+    names = {"get_weather", "now"}
+    cases = [
+        (HermesParser(), 'x<tool_call>\n{"name": "get_weather", "arguments": {"city": "A\\"b", '
+         '"n": [1, {"k": "}"}]}}\n</tool_call>\n<tool_call>\n{"name": "nope", "arguments": '
+         '{}}\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>'),
+        (JsonParser(), '```json\n[{"name": "now", "parameters": {}}, {"name": "get_weather", '
+         '"arguments": "{\\"city\\": \\"B\\"}"}]\n```'),
+    ]
+    for parser, full in cases:
+        tools = ToolRequest(parser, [WEATHER, other], names, None, parallel)
+        want = tools.parse(full)[1]
+        for step in (1, 3, 17):
+            content, calls, finish = _stream(ToolStream(tools), full,
+                                             list(range(step, len(full), step)))
+            assert finish == "tool_calls"
+            got = [calls[k] for k in sorted(calls)]
+            assert [c[1] for c in got] == [c.name for c in want], (parser.name, step)
+            assert [json.loads(c[2]) for c in got] == [json.loads(c.arguments) for c in want]
+            assert len({c[0] for c in got}) == len(got)
 
 
 def test_history_without_template_support() -> None:
@@ -241,8 +292,9 @@ def test_streamed_calls_equal_the_whole_answer(hermes_http: TestClient) -> None:
     events = [json.loads(ln[6:]) for ln in r.text.splitlines()
               if ln.startswith("data: ") and ln != "data: [DONE]"]
     deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls") or []]
-    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
-    assert deltas[0]["function"]["arguments"] == \
+    assert [d["function"]["name"] for d in deltas if d["function"]["name"]] == ["get_weather"]
+    assert {d["index"] for d in deltas} == {0}
+    assert "".join(d["function"]["arguments"] or "" for d in deltas) == \
         whole["message"]["tool_calls"][0]["function"]["arguments"]
     assert not any(e["choices"][0]["delta"].get("content") for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -330,7 +382,9 @@ def test_round_trip_with_the_openai_client(hermes_http: TestClient) -> None:
         parallel_tool_calls=False, max_tokens=120, stream=True)
     chunks = [c.choices[0].delta.tool_calls for c in streamed if c.choices
               and c.choices[0].delta.tool_calls]
-    assert chunks and chunks[0][0].function.arguments == call.function.arguments
+    assert chunks and chunks[0][0].id and chunks[0][0].function.name == call.function.name
+    assert "".join(d.function.arguments or "" for ch in chunks for d in ch) == \
+        call.function.arguments
 
 
 def test_tool_requests_refused_with_the_field(http: TestClient) -> None:
@@ -365,3 +419,19 @@ def test_langchain_bind_tools(http: TestClient) -> None:
     msg = llm.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False).invoke(
         "Weather in Oslo?")
     assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] in SCHEMAS
+
+
+def test_langchain_streams_a_tool_call_in_pieces(http: TestClient) -> None:
+    # LangChain adds up the pieces of delta.tool_calls into the call the whole answer holds
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(model=MODEL, base_url=str(http.base_url) + "/v1", api_key="unused",
+                        http_client=http, temperature=0, max_tokens=120, max_retries=0)
+    bound = llm.bind_tools(TOOLS, tool_choice="add")
+    whole = bound.invoke("Add 2 and 3.")
+    chunks = list(bound.stream("Add 2 and 3."))
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the arguments came in pieces
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == \
+        [(c["name"], c["args"]) for c in whole.tool_calls]

@@ -1,6 +1,7 @@
 """Tools in ``/v1/chat/completions``: the request's ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` checked and turned into what the prompt and the engine need, and the
-answer turned into OpenAI's ``tool_calls`` (whole, or streamed as ``delta.tool_calls``).
+answer turned into OpenAI's ``tool_calls`` (whole, or streamed as ``delta.tool_calls``:
+each call's name, then its arguments piece by piece).
 
 The rule (OpenAI's): with ``tool_choice: "none"``, or no tools, tools are neither shown to the
 model nor looked for in its answer. Otherwise the chat template renders them (the ``tools``
@@ -21,7 +22,7 @@ from typing import Any
 from mcserve.engine.sampling_params import StructuredOutputsParams
 from mcserve.server import protocol as P
 from mcserve.server.errors import APIError
-from mcserve.server.tool_parsers import ParsedCall, ToolParser
+from mcserve.server.tool_parsers import ParsedCall, ToolParser, scan_call, tool_call_id
 
 __all__ = ["ToolRequest", "ToolStream", "answer_message", "tool_request", "with_tool_history"]
 
@@ -131,45 +132,89 @@ def answer_message(tools: ToolRequest | None, text: str, finish_reason: str | No
             _finish(finish_reason, True))
 
 
+@dataclass
+class _Streamed:
+    """A call a stream has announced: which call object of the answer, its id, how much of its
+    arguments' text went out."""
+
+    pos: int
+    id: str
+    sent: int = 0
+
+
 class ToolStream:
-    """One streamed choice of a request with tools: text before a tool call streams as
-    content; from where a call may begin (``<tool_call>``, an answer that opens with JSON) the
-    text is held, and at the end it goes out as ``delta.tool_calls`` (one entry per call, whole)
-    when it parses, else as content. A forced call holds everything."""
+    """One streamed choice of a request with tools, as OpenAI streams calls: text before a tool
+    call streams as content; from where a call may begin (``<tool_call>``, an answer that opens
+    with JSON) the text is read as calls. Each call goes out as a first ``delta.tool_calls``
+    entry with its index, id and name once the name is written (and is one of the tools), then
+    as pieces of its arguments' JSON text as the model writes them. At the end, text held that
+    held no call goes out as content; a call whose arguments came as a string goes out whole.
+    A forced call holds everything from the first token."""
 
     def __init__(self, tools: ToolRequest):
         self.tools = tools
         self.sent = 0  # characters of the text sent as content
         self.held: int | None = 0 if tools.forced is not None else None
+        self.calls: list[_Streamed] = []
+
+    def _deltas(self, text: str) -> list[P.DeltaToolCall]:
+        """New calls announced and new pieces of arguments, for the answer so far."""
+        out = []
+        for pos, obj in enumerate(self.tools.parser.call_texts(text[self.held:])):
+            k = next((k for k, c in enumerate(self.calls) if c.pos == pos), None)
+            sc = scan_call(obj)
+            if k is None:
+                if (sc.name not in self.tools.names or sc.args_kind != "{"
+                        or (self.calls and not self.tools.parallel)):
+                    continue
+                self.calls.append(_Streamed(pos, tool_call_id()))
+                k = len(self.calls) - 1
+                out.append(P.DeltaToolCall(index=k, id=self.calls[k].id, type="function",
+                                           function=P.DeltaFunctionCall(name=sc.name,
+                                                                        arguments="")))
+            st = self.calls[k]
+            assert sc.args is not None  # an announced call has its arguments' start
+            args = obj[sc.args[0]:sc.args[1]] if sc.args_closed else obj[sc.args[0]:].rstrip()
+            if len(args) > st.sent:
+                out.append(P.DeltaToolCall(index=k, function=P.DeltaFunctionCall(
+                    arguments=args[st.sent:])))
+                st.sent = len(args)
+        return out
 
     def step(self, text: str, finish_reason: str | None
              ) -> tuple[str, list[P.DeltaToolCall] | None, str | None]:
         """``(content delta, tool-call deltas or None, finish reason)`` for the answer's
         text so far (``finish_reason`` None while it runs)."""
         parser = self.tools.parser
+        if self.held is None:
+            start = parser.start(text)
+            if start is not None:
+                self.held = start
         if finish_reason is None:
             if self.held is None:
-                start = parser.start(text)
-                if start is not None:
-                    self.held = start
-                end = start if start is not None else len(text) - parser.holdback(text)
+                end = len(text) - parser.holdback(text)
             else:
                 end = self.held
             end = max(end, self.sent)
             delta, self.sent = text[self.sent:end], end
-            return delta, None, None
-        parsed = self.tools.parse(text) if self.held is not None or \
-            parser.start(text) is not None else None
-        if parsed is None:
+            calls = self._deltas(text) if self.held is not None else []
+            return delta, calls or None, None
+        parsed = self.tools.parse(text) if self.held is not None else None
+        if parsed is None and not self.calls:  # no call after all: the rest is content
             delta, self.sent = text[self.sent:], len(text)
             return delta, None, finish_reason
-        start = parser.start(text) or 0
+        start = self.held or 0
         delta = text[self.sent:start] if start > self.sent else ""
         self.sent = len(text)
-        calls = [P.DeltaToolCall(index=k, id=c.id, type="function",
-                                 function=P.FunctionCall(name=c.name, arguments=c.arguments))
-                 for k, c in enumerate(parsed[1])]
-        return delta, calls, _finish(finish_reason, True)
+        calls = self._deltas(text)
+        done = {c.pos for c in self.calls}
+        for c in parsed[1] if parsed is not None else []:  # calls not streamed: whole
+            if c.pos not in done and (self.tools.parallel or not self.calls):
+                self.calls.append(_Streamed(c.pos, c.id, len(c.arguments)))
+                calls.append(P.DeltaToolCall(
+                    index=len(self.calls) - 1, id=c.id, type="function",
+                    function=P.DeltaFunctionCall(name=c.name, arguments=c.arguments)))
+        return delta, calls or None, _finish(finish_reason, bool(self.calls))
 
 
 def arguments_for_template(arguments: str) -> Any:

@@ -387,11 +387,16 @@ class ToolCall(ResponseModel):
     function: FunctionCall
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None  # in a call's first chunk only
+    arguments: str | None = None  # a piece of the JSON text; the pieces concatenate
+
+
 class DeltaToolCall(ResponseModel):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
-    function: FunctionCall | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatResponseMessage(ResponseModel):

@@ -207,7 +207,7 @@ async def create_chat_completion(
                         lp = _chat_logprobs(st, c.token_ids[ntok:],
                                             c.logprobs[ntok:] if c.logprobs else None, top_n)
                     sent_tokens[c.index] = len(c.token_ids)
-                    if not delta and lp is None and finish is None:
+                    if not delta and not calls and lp is None and finish is None:
                         continue
                     if finish is not None:
                         done.add(c.index)

@@ -9,7 +9,10 @@ a named function).
 
 ``choose_parser("auto", template)`` takes ``hermes`` when the chat template mentions
 ``<tool_call>``, else ``json``. A call whose name is not one of the request's tools is not a tool
-call (the text stays content). Torch-free, like every server module.
+call (the text stays content). A call's ``arguments`` are the model's own JSON text of them
+(``scan_call`` finds it, in a finished answer or in one still being written, so that a stream
+can send it piece by piece and the pieces add up to what the whole answer reports).
+Torch-free, like every server module.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Any
 
 from mcserve.engine.sampling_params import JSON_OPTIONS
 
-__all__ = ["PARSERS", "HermesParser", "closed_schema", "JsonParser", "ParsedCall", "ToolParser",
-           "choose_parser", "tool_call_id"]
+__all__ = ["PARSERS", "CallScan", "HermesParser", "closed_schema", "JsonParser", "ParsedCall",
+           "ToolParser", "choose_parser", "scan_call", "tool_call_id"]
 
 
 def tool_call_id() -> str:
@@ -36,11 +39,90 @@ class ParsedCall:
     name: str
     arguments: str  # JSON text of an object
     id: str = field(default_factory=tool_call_id)
+    pos: int = -1  # which call object of the answer (``ToolParser.call_texts``) it came from
 
 
-def _call(obj: Any, names: set[str]) -> ParsedCall | None:
+@dataclass
+class CallScan:
+    """What ``scan_call`` read of one call object, finished or not."""
+
+    name: str | None = None  # the "name" value, once its string is closed
+    args: tuple[int, int] | None = None  # span of the arguments value read so far
+    args_kind: str | None = None  # its first character: "{" for an object
+    args_closed: bool = False
+    end: int | None = None  # just past the object's closing brace, once read
+
+
+_ARG_KEYS = ("arguments", "parameters")
+
+
+def scan_call(s: str) -> CallScan:
+    """Read the call object that ``s`` begins with (``{``; ``s`` may stop anywhere inside it):
+    its name once written, and where its arguments' value lies, as far as it is written. Only
+    the object's own keys count; nested ones are skipped."""
+    out = CallScan()
+    if not s.startswith("{"):
+        return out
+    depth, in_str, esc = 0, False, False
+    mode, key, str_start, val_start = "key", None, 0, None
+    for i, ch in enumerate(s):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 1:
+                    token = s[str_start:i + 1]
+                    if mode == "key":
+                        key, mode = _decode(token), "colon"
+                    elif mode == "value" and val_start == str_start and key == "name":
+                        name = _decode(token)
+                        out.name = name if isinstance(name, str) else None
+                if depth == 1 and key in _ARG_KEYS and val_start == str_start and \
+                        out.args is not None and mode == "value":
+                    out.args, out.args_closed = (val_start, i + 1), True
+            continue
+        if ch == '"':
+            in_str, str_start = True, i
+        if depth == 1 and mode == "value_start" and not ch.isspace():
+            val_start, mode = i, "value"
+            if key in _ARG_KEYS and out.args is None:
+                out.args, out.args_kind = (i, i), ch
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1 and key in _ARG_KEYS and out.args is not None \
+                    and out.args[0] == val_start and not out.args_closed:
+                out.args, out.args_closed = (val_start, i + 1), True
+            if depth == 0:
+                out.end = i + 1
+                break
+        elif depth == 1 and not in_str:
+            if mode == "colon" and ch == ":":
+                mode = "value_start"
+            elif mode == "value" and ch == ",":
+                mode, key = "key", None
+    if out.args is not None and not out.args_closed:
+        out.args = (out.args[0], len(s) if out.end is None else out.end - 1)
+    return out
+
+
+def _decode(token: str) -> Any:
+    try:
+        return json.loads(token)
+    except ValueError:
+        return None
+
+
+def _call(obj: Any, names: set[str], text: str | None = None, pos: int = -1
+          ) -> ParsedCall | None:
     """One call from a decoded ``{"name", "arguments" | "parameters"}`` object; None if it is
-    not one (no name, a name not among the tools, arguments that are not an object)."""
+    not one (no name, a name not among the tools, arguments that are not an object). ``text``:
+    the object as the model wrote it, whose arguments' own text is kept when it is the object
+    that was decoded."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     if obj["name"] not in names:
@@ -53,7 +135,16 @@ def _call(obj: Any, names: set[str]) -> ParsedCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    raw = None
+    if text is not None:
+        sc = scan_call(text)
+        if sc.args is not None and sc.args_kind == "{" and sc.args_closed:
+            raw = text[sc.args[0]:sc.args[1]]
+            if _decode(raw) != args:
+                raw = None
+    return ParsedCall(obj["name"], raw if raw is not None else json.dumps(args,
+                                                                         ensure_ascii=False),
+                      pos=pos)
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +210,12 @@ class ToolParser:
 
     def start(self, text: str) -> int | None:
         """Where in ``text`` (the answer so far) a tool call begins, if one does: a streamed
-        answer sends the text before it as content and holds the rest until the end."""
+        answer sends the text before it as content and streams the calls from there."""
+        raise NotImplementedError
+
+    def call_texts(self, text: str) -> list[str]:
+        """The call objects in ``text`` (an answer from ``start`` on, finished or not), each
+        from its ``{`` to the end of what is written of its block."""
         raise NotImplementedError
 
     def holdback(self, text: str) -> int:
@@ -162,17 +258,18 @@ class HermesParser(ToolParser):
         if i < 0:
             return None
         calls = []
-        for block in self._BLOCK.findall(text, i):
-            try:
-                call = _call(json.loads(block.strip()), names)
-            except ValueError:
-                call = None
+        for pos, block in enumerate(self._BLOCK.findall(text, i)):
+            block = block.strip()
+            call = _call(_decode(block), names, block, pos)
             if call is not None:
                 calls.append(call)
         if not calls:
             return None
         content = text[:i].strip()
         return (content or None), calls
+
+    def call_texts(self, text: str) -> list[str]:
+        return [b.lstrip() for b in self._BLOCK.findall(text)]
 
     def start(self, text: str) -> int | None:
         i = text.find(self.OPEN)
@@ -216,10 +313,35 @@ class JsonParser(ToolParser):
         except ValueError:
             return None
         items = obj if isinstance(obj, list) else [obj]
-        calls = [_call(o, names) for o in items]
+        texts = self.call_texts(body)
+        if len(texts) != len(items):
+            texts = [None] * len(items)
+        calls = [_call(o, names, t, pos) for pos, (o, t) in enumerate(zip(items, texts))]
         if not calls or any(c is None for c in calls):
             return None
         return None, [c for c in calls if c is not None]
+
+    def call_texts(self, text: str) -> list[str]:
+        body = text.lstrip()
+        if body.startswith("```"):
+            body = body[3:]
+            body = body[4:] if body.startswith("json") else body
+            body = body.lstrip()
+        if body.startswith("{"):
+            return [body]
+        if not body.startswith("["):
+            return []
+        out, i = [], 1
+        while True:
+            while i < len(body) and (body[i].isspace() or body[i] == ","):
+                i += 1
+            if i >= len(body) or body[i] != "{":
+                return out
+            end = scan_call(body[i:]).end
+            out.append(body[i:] if end is None else body[i:i + end])
+            if end is None:
+                return out
+            i += end
 
     def start(self, text: str) -> int | None:
         stripped = text.lstrip()
