@@ -108,7 +108,14 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
     import triton
     from triton.testing import do_bench
 
-    from mcserve.kernels.triton import chunk, decode, fused, prefill, split, twins
+    from mcserve.kernels.triton.fused_decode import triton as fused
+    from mcserve.kernels.triton.fused_decode.twin import fused_linear_decode_torch
+    from mcserve.kernels.triton.linear_prefill import chunk, scan
+    from mcserve.kernels.triton.linear_prefill.twin import chunk_linear_prefill_torch
+    from mcserve.kernels.triton.mc_decode import single, split
+    from mcserve.kernels.triton.mc_decode.twin import paged_mc_decode_linear_torch
+    from mcserve.kernels.triton.ssc_router import triton as router
+    from mcserve.kernels.triton.ssc_router.twin import ssc_router_torch
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -141,21 +148,21 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
             kw = dict(variant=variant, segment_len=64, top_k=top_k)
             n_read = N if variant == "grm" else min(top_k, N)
             record(f"decode-{variant}", f"B={B} N={N} H={H} K={K} V={V}",
-                   lambda a=args, k=kw: decode.paged_mc_decode_linear(*a, **k),
-                   lambda a=args, k=kw: twins.paged_mc_decode_linear_torch(*a, **k),
+                   lambda a=args, k=kw: single.paged_mc_decode_linear(*a, **k),
+                   lambda a=args, k=kw: paged_mc_decode_linear_torch(*a, **k),
                    decode_bytes(B, H, K, V, n_read, elt, n_scored=N))
         if B == 1 and N >= 64:  # the split over N against the single-launch kernel
             kw = dict(variant="grm", segment_len=64)
             record("decode-grm-split", f"B={B} N={N} H={H} K={K} V={V}",
                    lambda a=args, k=kw: split.paged_mc_decode_linear_split(*a, **k),
-                   lambda a=args, k=kw: twins.paged_mc_decode_linear_torch(*a, **k),
+                   lambda a=args, k=kw: paged_mc_decode_linear_torch(*a, **k),
                    decode_bytes(B, H, K, V, N, elt),
-                   fn_old=lambda a=args, k=kw: decode.paged_mc_decode_linear(*a, **k))
+                   fn_old=lambda a=args, k=kw: single.paged_mc_decode_linear(*a, **k))
         q, u, o, p, table, pool, ksum = args
         rkw = dict(segment_len=64, top_k=4)
         record("ssc-router", f"B={B} N={N} H={H} K={K} top_k=4",
-               partial(decode.ssc_router, u, ksum, table, **rkw),
-               partial(twins.ssc_router_torch, u, ksum, table, **rkw),
+               partial(router.ssc_router, u, ksum, table, **rkw),
+               partial(ssc_router_torch, u, ksum, table, **rkw),
                router_bytes(B, H, K, N, 4, elt))
     prefill_sizes = [(1, 2048), (8, 1024)] if quick else [(1, 2048), (1, 8192), (8, 1024),
                                                           (32, 1024)]
@@ -169,11 +176,11 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
         kw = dict(segment_len=C)
         record("prefill-chunk", f"B={B} T={T} H={H} K={K} V={V} C={C}",
                partial(chunk.chunk_linear_prefill_chunked, q, k, v, la, bw, **kw),
-               partial(twins.chunk_linear_prefill_torch, q, k, v, la, bw, **kw),
+               partial(chunk_linear_prefill_torch, q, k, v, la, bw, **kw),
                prefill_bytes(B, T, H, K, V, C, elt),
-               fn_old=partial(prefill.chunk_linear_prefill, q, k, v, la, bw, **kw))
+               fn_old=partial(scan.chunk_linear_prefill, q, k, v, la, bw, **kw))
     from mcserve.kernels import mc_chunk
-    from mcserve.kernels.triton import readout
+    from mcserve.kernels.triton.readout import triton as readout
 
     # the cached readout of a grm prefill chunk: L tokens after n0 carried checkpoints (the
     # last 8K chunk of a 32K prompt: n0 = 384); the torch form is the GPU's tiled reads
@@ -196,7 +203,7 @@ def run(quick: bool, peak_override: float | None, out_path: Path) -> list[dict]:
         n_read = N if kw["variant"] == "grm" else 0
         record(f"fused-{layout}-{kw['variant']}", f"B={B} N={N} H={H} K={K} V={V}",
                partial(fused.fused_linear_decode, x, z, S, **kw),
-               partial(twins.fused_linear_decode_torch, x, z, S, **kw),
+               partial(fused_linear_decode_torch, x, z, S, **kw),
                decode_bytes(B, H, K, V, n_read + 2, elt, n_scored=N))  # + S in and out
     info = dict(card=name, date=_dt.datetime.now().isoformat(timespec="seconds"),
                 torch=torch.__version__, triton=triton.__version__, peak_gbs=peak,

@@ -26,7 +26,10 @@ from test_triton_kernels import (  # the interpreter is set up by importing it f
 )
 
 from mcserve.kernels import dispatch
-from mcserve.kernels.triton import twins
+from mcserve.kernels.triton.common import boundary_layout
+from mcserve.kernels.triton.fused_decode import fused_linear_decode_torch
+from mcserve.kernels.triton.linear_prefill import chunk_linear_prefill_torch
+from mcserve.kernels.triton.mc_decode import paged_mc_decode_linear_torch
 
 
 @pytest.fixture(autouse=True)
@@ -52,11 +55,11 @@ def test_split_decode_matches_twin(variant, dtype):
     args = _decode_case(31, 3, 2, 5, 19, [7, 0, 13], dtype)
     kw = dict(variant=variant, segment_len=4, top_k=3)
     out = torch.full((3, 2, 19), NAN, dtype=dtype, device=DEV)
-    from mcserve.kernels.triton.split import paged_mc_decode_linear_split
+    from mcserve.kernels.triton.mc_decode.split import paged_mc_decode_linear_split
 
     y = paged_mc_decode_linear_split(*args, out=out, block_n=4, block_v=16, **kw)
     assert y is out
-    want = twins.paged_mc_decode_linear_torch(*args, **kw)
+    want = paged_mc_decode_linear_torch(*args, **kw)
     assert _rel(y, want) < TOL[dtype]
 
 
@@ -69,17 +72,17 @@ def test_split_decode_per_head_table_state_table_nseg():
     pool2[remap] = pool
     stab = torch.where(table >= 0, remap[table.clamp_min(0)], -1)
     n_seg = _d(torch.tensor([11, 2]))
-    from mcserve.kernels.triton.split import paged_mc_decode_linear_split
+    from mcserve.kernels.triton.mc_decode.split import paged_mc_decode_linear_split
 
     for variant in ("grm", "post"):
         kw = dict(variant=variant, segment_len=3, n_seg=n_seg, state_table=stab)
         y = paged_mc_decode_linear_split(q, u, o, p, table, pool2, ksum, block_n=2, **kw)
-        want = twins.paged_mc_decode_linear_torch(q, u, o, p, table, pool2, ksum, **kw)
+        want = paged_mc_decode_linear_torch(q, u, o, p, table, pool2, ksum, **kw)
         assert _rel(y, want) < 1e-10, variant
 
 
 def test_split_heuristic_and_dispatch_impl():
-    from mcserve.kernels.triton import split
+    from mcserve.kernels.triton.mc_decode import split
 
     assert split.use_split(1, 8, 64, 256, "grm")
     assert not split.use_split(1, 8, 64, 256, "ssc")  # reads top_k blocks only
@@ -96,7 +99,7 @@ def test_dispatch_picks_split_for_batch1_many_blocks():
     # B = 1, N = 40 ≥ SPLIT_MIN_BLOCKS: the default goes through the split kernels
     args = _decode_case(33, 1, 1, 3, 2, [40], torch.float32)
     y = dispatch.paged_mc_decode_linear(*args, variant="grm", segment_len=4, backend="triton")
-    want = twins.paged_mc_decode_linear_torch(*args, variant="grm", segment_len=4)
+    want = paged_mc_decode_linear_torch(*args, variant="grm", segment_len=4)
     assert _rel(y, want) < 1e-4
 
 
@@ -107,7 +110,7 @@ def _prefill_both(args, kw, n_seq, H, K, V, dtype, pool_rows=None):
     """The chunk-parallel kernel (through dispatch's default) and the walking kernel, each
     against the twin and the reference (``_check_prefill``); then against each other."""
     a = _check_prefill(args, kw, n_seq, H, K, V, dtype, pool_rows)  # impl="chunk" by default
-    from mcserve.kernels.triton.prefill import chunk_linear_prefill as scan
+    from mcserve.kernels.triton.linear_prefill.scan import chunk_linear_prefill as scan
 
     kk = dict(kw)
     if pool_rows is not None:
@@ -130,11 +133,11 @@ def test_chunk_prefill_fixed_batch_many_chunks(dtype):
     # 5-token tail), 3 heads, K, V odd, V in 2 tiles; gated
     q, k, v, la, b, g = _prefill_data(40, 2, 45, 3, 5, 19, dtype)
     h0 = _d(torch.randn(2, 3, 5, 19, generator=g, dtype=dtype))
-    from mcserve.kernels.triton.chunk import chunk_linear_prefill_chunked as chunked
+    from mcserve.kernels.triton.linear_prefill.chunk import chunk_linear_prefill_chunked as chunked
 
     res = chunked(q, k, v, la, b, h0, segment_len=20, chunk_size=16, block_v=16,
                   out=torch.full((2, 45, 3, 19), NAN, dtype=dtype, device=DEV))
-    want = twins.chunk_linear_prefill_torch(q, k, v, la, b, h0, segment_len=20)
+    want = chunk_linear_prefill_torch(q, k, v, la, b, h0, segment_len=20)
     for x, y in zip(res, want):
         assert _rel(x, y) < TOL[dtype]
     _prefill_both((q, k, v, la, b, h0), dict(segment_len=7, chunk_size=16), 2, 3, 5, 19, dtype)
@@ -152,7 +155,7 @@ def test_chunk_prefill_varlen_into_pool(mode):
     h0 = _d(torch.randn(5, H, K, V, generator=g, dtype=dtype))
     off = _d(torch.tensor([1, 0, 3, 2, 3]))
     ks0 = _d(torch.randn(5, H, K, generator=g, dtype=dtype))
-    total = int(twins.boundary_layout(cu[1:] - cu[:-1], C, off)[0].sum())
+    total = int(boundary_layout(cu[1:] - cu[:-1], C, off)[0].sum())
     ids = _d(torch.randperm(total + 6, generator=g)[:total])
     kw = dict(segment_len=C, cu_seqlens=cu, mode=mode, initial_seg_len=off, initial_ksum=ks0,
               block_ids=ids)
@@ -177,11 +180,11 @@ def test_chunk_prefill_short_and_empty():
 
 
 def test_chunk_layout_cuts_at_boundaries():
-    from mcserve.kernels.triton.chunk import chunk_layout
+    from mcserve.kernels.triton.linear_prefill.chunk import chunk_layout
 
     lens = torch.tensor([10, 0, 5])
     off = torch.tensor([2, 0, 0])
-    counts, offsets = twins.boundary_layout(lens, 4, off)  # boundaries at 2, 6, 10 | - | 4
+    counts, offsets = boundary_layout(lens, 4, off)  # boundaries at 2, 6, 10 | - | 4
     lay = dict(lens=lens, off=off, bos=torch.tensor([0, 10, 10]), offsets=offsets)
     cl = chunk_layout(lay, torch.tensor([7, 8, 9, 10]), 4, 16)
     assert cl["seq"].tolist() == [0, 0, 0, 2, 2]
@@ -405,7 +408,7 @@ def test_fused_twin_is_the_mamba2_mixer_step(variant, G):
         S2, conv2, ks2 = S.clone(), conv.clone(), ks0.clone()
         kw = dict(seg_ksum=ks2, seg_len=pl.seg_len, n_seg=pl.n_seg, table=pl.table,
                   pool_S=pl.pool["S"], ksum_pool=pl.ksum_pool) if variant != "none" else {}
-        y = twins.fused_linear_decode_torch(
+        y = fused_linear_decode_torch(
             xbc, z, S2, v_offset=0, k_offset=cfg.d_inner, q_offset=cfg.d_inner + G * N,
             qk_heads=H // G, conv_tail=conv2, conv_weight=m.conv1d.weight[:, 0],
             conv_bias=m.conv1d.bias, gate_mode="softplus", dt=dt, dt_bias=m.dt_bias,
@@ -537,7 +540,7 @@ def test_fused_twin_is_the_native_mixer_step(variant):
         has_u = m.u_proj is not None  # routing variants without share_uq
         qkv, *u, gz, raw = parts.split([3 * HK] + [HK] * has_u + [HK, 2 * H], dim=-1)
         S2, conv2, ks2 = S.clone(), conv.clone(), ks0.clone()
-        y = twins.fused_linear_decode_torch(
+        y = fused_linear_decode_torch(
             qkv, gz, S2, q_offset=0, k_offset=HK, v_offset=2 * HK, conv_tail=conv2,
             conv_weight=m.conv.weight[:, 0], normalize_qk=True,
             u=u[0].view(B, H, K) if has_u else None, gate_mode="sigmoid",

@@ -48,7 +48,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mcserve.kernels import dispatch, reference  # noqa: E402
-from mcserve.kernels.triton import twins  # noqa: E402
+from mcserve.kernels.triton.common import boundary_layout  # noqa: E402
+from mcserve.kernels.triton.linear_prefill import chunk_linear_prefill_reference  # noqa: E402
+from mcserve.kernels.triton.mc_decode import (  # noqa: E402
+    paged_mc_decode_linear_reference,
+    paged_mc_decode_linear_torch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -172,14 +177,14 @@ def test_decode_per_head_table_state_table_nseg_vtiles(variant):
     kw = dict(variant=variant, segment_len=3, top_k=3, n_seg=n_seg, state_table=state_table)
     args = (q, u, o, p, table, pool2, ksum)
     out = torch.full((2, 3, 20), NAN, dtype=torch.float64, device=DEV)
-    from mcserve.kernels.triton.decode import paged_mc_decode_linear as tri
+    from mcserve.kernels.triton.mc_decode.single import paged_mc_decode_linear as tri
     y_tr = tri(*args, out=out, block_v=16, **kw)
-    y_tw = twins.paged_mc_decode_linear_torch(*args, **kw)
-    y_ref = twins.paged_mc_decode_linear_reference(*args, **kw)
+    y_tw = paged_mc_decode_linear_torch(*args, **kw)
+    y_ref = paged_mc_decode_linear_reference(*args, **kw)
     assert _rel(y_tr, y_tw) < 1e-10 and _rel(y_tw, y_ref) < 1e-10
     # and the same as reading the un-remapped pool directly
-    y_direct = twins.paged_mc_decode_linear_torch(q, u, o, p, table, pool, ksum,
-                                                  **{**kw, "state_table": None})
+    y_direct = paged_mc_decode_linear_torch(q, u, o, p, table, pool, ksum,
+                                            **{**kw, "state_table": None})
     assert _rel(y_tw, y_direct) < 1e-12
 
 
@@ -205,8 +210,8 @@ def test_decode_ssc_ties_and_bf16_pool():
     # explicit: row 0 must read columns 3, 4 only; row 1 columns 1, 2
     keep = _d(torch.tensor([[-1, -1, -1, 1, 1], [-1, 1, 1, -1, -1]]))
     t2 = torch.where(keep > 0, table, -1)
-    y_grm = twins.paged_mc_decode_linear_torch(*((q, u, o, p, t2) + (pool, ksum)),
-                                               variant="grm", segment_len=4)
+    y_grm = paged_mc_decode_linear_torch(*((q, u, o, p, t2) + (pool, ksum)),
+                                         variant="grm", segment_len=4)
     assert _rel(y, y_grm) < 1e-5
     idx, sc = dispatch.ssc_router(u, ksum, table, segment_len=4, top_k=2, backend="triton")
     assert idx.tolist() == [[[4, 3]] * 2, [[2, 1]] * 2]
@@ -218,7 +223,7 @@ def test_decode_ssc_per_row_top_k():
     args = _decode_case(6, 4, 2, 5, 3, [5, 4, 0, 3], torch.float32)
     row_k = _d(torch.tensor([1, 3, 2, 0]))
     y = _run_decode_all(args, variant="ssc", segment_len=4, top_k=3, row_top_k=row_k)
-    one = twins.paged_mc_decode_linear_torch(*args, variant="ssc", segment_len=4, top_k=1)
+    one = paged_mc_decode_linear_torch(*args, variant="ssc", segment_len=4, top_k=1)
     assert _rel(y[0], one[0]) < 1e-5  # row 0 (k = 1) as with top_k = 1
     assert _rel(y[3], args[2][3]) < 1e-6  # row 3 (k = 0): the online memory only
 
@@ -256,13 +261,14 @@ def test_router(top_k, per_head):
 def test_router_matches_decode_paged_select():
     # the router's order is MCMemory._select's order (ties → more recent)
     from mcserve.config import MCConfig
+    from mcserve.kernels.triton.ssc_router.twin import _select
     from mcserve.models.mc import MCMemory
     from mcserve.models.memory.linear import LinearMemory
 
     mc = MCMemory(LinearMemory(), MCConfig(variant="ssc", segment_len=4, top_k=3))
     r = torch.tensor([[[0.5, 0.2, 0.5, 0.1, 0.2]]]).permute(0, 2, 1)[:, None]  # (1, 1, 5, 1)
     want = mc._select(r, 3)[0, 0, :, 0].tolist()
-    assert twins._select(r[0, 0].T[None], 3)[0, 0].tolist() == want == [2, 0, 4]
+    assert _select(r[0, 0].T[None], 3)[0, 0].tolist() == want == [2, 0, 4]
 
 
 # ------------------------------------------------------------------------------ prefill
@@ -324,9 +330,9 @@ def test_prefill_long_segments_initial_state_vtiles():
     # C = 20 > chunk 16: several chunks per segment; no gates; initial state; V in 2 tiles
     q, k, v, _, _, g = _prefill_data(11, 1, 45, 1, 4, 20, torch.float64, gated=False)
     h0 = _d(torch.randn(1, 1, 4, 20, generator=g, dtype=torch.float64))
-    from mcserve.kernels.triton.prefill import chunk_linear_prefill as tri
+    from mcserve.kernels.triton.linear_prefill.scan import chunk_linear_prefill as tri
     o, fin, bs, bks = tri(q, k, v, None, None, h0, segment_len=20, chunk_size=16, block_v=16)
-    r = twins.chunk_linear_prefill_reference(q, k, v, None, None, h0, segment_len=20)
+    r = chunk_linear_prefill_reference(q, k, v, None, None, h0, segment_len=20)
     for x, y in zip((o, fin, bs, bks), r):
         assert _rel(x, y) < 1e-10
 
@@ -343,7 +349,7 @@ def test_prefill_varlen_into_pool(mode):
     h0 = _d(torch.randn(5, H, K, V, generator=g, dtype=dtype))
     off = _d(torch.tensor([1, 0, 3, 2, 3]))
     ks0 = _d(torch.randn(5, H, K, generator=g, dtype=dtype))
-    counts, offsets = twins.boundary_layout(cu[1:] - cu[:-1], C, off)
+    counts, offsets = boundary_layout(cu[1:] - cu[:-1], C, off)
     assert counts.tolist() == [1, 0, 3, 3, 1]
     total = int(counts.sum())
     ids = _d(torch.randperm(total + 6, generator=g)[:total])
@@ -550,19 +556,19 @@ def test_kernels_follow_env_at_call_time(monkeypatch):
     # our kernels are decorated per interpreter setting at call time, not at import
     from triton.runtime.interpreter import InterpretedFunction
 
-    from mcserve.kernels.triton import decode
     from mcserve.kernels.triton._jit import jitted
+    from mcserve.kernels.triton.mc_decode import single
 
     monkeypatch.delenv("TRITON_INTERPRET")
-    compiled = jitted(decode._paged_decode_kernel)
+    compiled = jitted(single._paged_decode_kernel)
     assert not isinstance(compiled, InterpretedFunction)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert isinstance(jitted(decode._paged_decode_kernel), InterpretedFunction)
+    assert isinstance(jitted(single._paged_decode_kernel), InterpretedFunction)
     q, u, o, p, table, pool, ksum = _decode_case(0, 1, 1, 3, 2, [2], torch.float32)
-    y = decode.paged_mc_decode_linear(q, u, o, p, table, pool, ksum, variant="grm",
+    y = single.paged_mc_decode_linear(q, u, o, p, table, pool, ksum, variant="grm",
                                       segment_len=2)
-    assert _rel(y, twins.paged_mc_decode_linear_torch(q, u, o, p, table, pool, ksum,
-                                                      variant="grm", segment_len=2)) < 1e-5
+    assert _rel(y, paged_mc_decode_linear_torch(q, u, o, p, table, pool, ksum,
+                                                variant="grm", segment_len=2)) < 1e-5
 
 
 def test_bench_without_cuda_exits_cleanly(capsys):

@@ -23,7 +23,17 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from mcserve.kernels.triton import twins
+from mcserve.kernels.triton.common import DECODE_VARIANTS
+from mcserve.kernels.triton.fused_decode import fused_linear_decode_torch
+from mcserve.kernels.triton.linear_prefill import (
+    chunk_linear_prefill_reference,
+    chunk_linear_prefill_torch,
+)
+from mcserve.kernels.triton.mc_decode import (
+    paged_mc_decode_linear_reference,
+    paged_mc_decode_linear_torch,
+)
+from mcserve.kernels.triton.ssc_router import ssc_router_reference, ssc_router_torch
 
 BACKENDS = ("reference", "torch", "triton")
 
@@ -77,12 +87,13 @@ def paged_mc_decode_linear(q: Tensor, u: Tensor, o_online: Tensor, p_online: Ten
                            state_table: Tensor | None = None, out: Tensor | None = None,
                            row_top_k: Tensor | None = None, backend: str | None = None,
                            impl: str | None = None) -> Tensor:
-    """See ``twins.paged_mc_decode_linear_torch``.
+    """See ``triton.mc_decode.twin.paged_mc_decode_linear_torch``.
 
     ``impl`` picks the Triton kernel: ``"single"`` (one launch, one program per row, head and
-    V tile walking the row's blocks), ``"split"`` (the blocks split across programs, then a
-    log-sum-exp merge: ``triton/split.py``), None = ``split.use_split`` on the shapes (small
-    batch × many blocks, softmax or fixed-weight variants). Ignored by the other backends.
+    V tile walking the row's blocks: ``triton/mc_decode/single.py``), ``"split"`` (the blocks
+    split across programs, then a log-sum-exp merge: ``triton/mc_decode/split.py``), None =
+    ``split.use_split`` on the shapes (small batch × many blocks, softmax or fixed-weight
+    variants). Ignored by the other backends.
     """
     kw = dict(variant=variant, segment_len=segment_len, top_k=top_k, n_seg=n_seg,
               state_table=state_table, out=out, row_top_k=row_top_k)
@@ -90,7 +101,7 @@ def paged_mc_decode_linear(q: Tensor, u: Tensor, o_online: Tensor, p_online: Ten
         raise ValueError(f"impl must be 'single', 'split' or None, got {impl!r}")
     b = _resolve(backend, q)
     if b == "triton":
-        from mcserve.kernels.triton import split
+        from mcserve.kernels.triton.mc_decode import split
 
         if impl is None:
             impl = ("split" if split.use_split(q.shape[0], q.shape[1], o_online.shape[-1],
@@ -98,25 +109,25 @@ def paged_mc_decode_linear(q: Tensor, u: Tensor, o_online: Tensor, p_online: Ten
         if impl == "split":
             fn = split.paged_mc_decode_linear_split
         else:
-            from mcserve.kernels.triton.decode import paged_mc_decode_linear as fn
+            from mcserve.kernels.triton.mc_decode.single import paged_mc_decode_linear as fn
     elif b == "torch":
-        fn = twins.paged_mc_decode_linear_torch
+        fn = paged_mc_decode_linear_torch
     else:
-        fn = twins.paged_mc_decode_linear_reference
+        fn = paged_mc_decode_linear_reference
     return fn(q, u, o_online, p_online, table, pool_S, ksum_pool, **kw)
 
 
 def ssc_router(u: Tensor, ksum_pool: Tensor, table: Tensor, *, segment_len: int, top_k: int,
                row_top_k: Tensor | None = None, backend: str | None = None
                ) -> tuple[Tensor, Tensor]:
-    """See ``twins.ssc_router_torch``."""
+    """See ``triton.ssc_router.twin.ssc_router_torch``."""
     b = _resolve(backend, u)
     if b == "triton":
-        from mcserve.kernels.triton.decode import ssc_router as fn
+        from mcserve.kernels.triton.ssc_router.triton import ssc_router as fn
     elif b == "torch":
-        fn = twins.ssc_router_torch
+        fn = ssc_router_torch
     else:
-        fn = twins.ssc_router_reference
+        fn = ssc_router_reference
     return fn(u, ksum_pool, table, segment_len=segment_len, top_k=top_k, row_top_k=row_top_k)
 
 
@@ -129,12 +140,12 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
                          ksum_pool: Tensor | None = None, out: Tensor | None = None,
                          chunk_size: int = 64, backend: str | None = None,
                          impl: str = "chunk") -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """See ``twins.chunk_linear_prefill_torch``.
+    """See ``triton.linear_prefill.twin.chunk_linear_prefill_torch``.
 
     ``impl`` picks the Triton kernel: ``"chunk"`` (chunk-parallel: chunk states, a short scan
-    over chunk boundaries, chunk outputs; ``triton/chunk.py``) or ``"scan"`` (one program per
-    sequence, head and V tile walking its chunks in order; ``triton/prefill.py``). Ignored by
-    the other backends.
+    over chunk boundaries, chunk outputs; ``triton/linear_prefill/chunk.py``) or ``"scan"``
+    (one program per sequence, head and V tile walking its chunks in order;
+    ``triton/linear_prefill/scan.py``). Ignored by the other backends.
     """
     kw = dict(segment_len=segment_len, cu_seqlens=cu_seqlens, mode=mode,
               initial_seg_len=initial_seg_len, initial_ksum=initial_ksum,
@@ -144,13 +155,13 @@ def chunk_linear_prefill(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None =
         raise ValueError(f"impl must be 'chunk' or 'scan', got {impl!r}")
     bk = _resolve(backend, q)
     if bk == "triton" and impl == "chunk":
-        from mcserve.kernels.triton.chunk import chunk_linear_prefill_chunked as fn
+        from mcserve.kernels.triton.linear_prefill.chunk import chunk_linear_prefill_chunked as fn
     elif bk == "triton":
-        from mcserve.kernels.triton.prefill import chunk_linear_prefill as fn
+        from mcserve.kernels.triton.linear_prefill.scan import chunk_linear_prefill as fn
     elif bk == "torch":
-        fn = twins.chunk_linear_prefill_torch
+        fn = chunk_linear_prefill_torch
     else:
-        fn = twins.chunk_linear_prefill_reference
+        fn = chunk_linear_prefill_reference
     return fn(q, k, v, log_a, b, initial_state, **kw)
 
 
@@ -161,21 +172,21 @@ def fused_decode_pays(B: int, H: int, V: int, N: int, variant: str) -> bool:
     with the split readout is faster."""
     if variant not in ("grm", "soup"):  # none / fixed weights read one state, ssc top_k blocks
         return True
-    from mcserve.kernels.triton import split
+    from mcserve.kernels.triton.mc_decode import split
 
     return not split.use_split(B, H, V, N, variant)
 
 
 def fused_linear_decode(x: Tensor, z: Tensor | None, S: Tensor, *, backend: str | None = None,
                         **kw) -> Tensor:
-    """See ``twins.fused_linear_decode_torch`` (keyword arguments as there). The Triton kernel
-    is ``triton/fused.py``; the ``reference`` backend takes the torch twin too (it is written
-    op by op after the mixers' own decode path)."""
+    """See ``triton.fused_decode.twin.fused_linear_decode_torch`` (keyword arguments as there).
+    The Triton kernel is ``triton/fused_decode/triton.py``; the ``reference`` backend takes the
+    torch twin too (it is written op by op after the mixers' own decode path)."""
     bk = _resolve(backend, x)
     if bk == "triton":
-        from mcserve.kernels.triton.fused import fused_linear_decode as fn
+        from mcserve.kernels.triton.fused_decode.triton import fused_linear_decode as fn
     else:
-        fn = twins.fused_linear_decode_torch
+        fn = fused_linear_decode_torch
     return fn(x, z, S, **kw)
 
 
@@ -189,8 +200,8 @@ def mc_linear(q: Tensor, k: Tensor, v: Tensor, u: Tensor, a: Tensor | None = Non
     completed segment) and ``num_blocks`` place the checkpoints in a pool of that size (the
     rest of it is filled with NaN, so a read through a wrong id shows); default: in order.
     """
-    if variant not in twins.DECODE_VARIANTS:
-        raise ValueError(f"variant must be one of {twins.DECODE_VARIANTS}, got {variant!r}")
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be one of {DECODE_VARIANTS}, got {variant!r}")
     T, H, K = q.shape
     V = v.shape[-1]
     C = segment_len

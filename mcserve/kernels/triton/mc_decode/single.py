@@ -1,37 +1,25 @@
-"""Triton kernels for MC decode over a paged block pool: the readout and the ssc router.
+"""Triton kernel: MC decode readout over a paged block pool, one launch (``impl="single"``).
 
 One program per (row, head, V tile). It scores the row's cached blocks from their key sums
 (``ksum_pool``, read through the block table), forms the gates (softmax / top-k + softmax /
 uniform / ones), and accumulates y = γ_on·o_online + Σ_i γ_i·S_iᵀq reading each needed state
 block once, in place, from ``pool_S``. For ``ssc`` only the ``top_k`` selected blocks are read.
-The router is the same kernel stopped after the selection (``ROUTE_ONLY``).
+The ssc router (``ssc_router/triton.py``) is the same kernel stopped after the selection
+(``ROUTE_ONLY``).
 
-Signatures and semantics are those of the torch twins in ``twins.py``.
+Signature and semantics are those of the torch twin, ``twin.paged_mc_decode_linear_torch``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from mcserve.config import MCConfig
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.twins import _check_router, check_decode_args
-
-
-@functools.cache  # per decode step and layer: look the capabilities up once
-def _variant_code(variant: str) -> int:
-    """The kernel's VARIANT constant: 0 weights 1, 1 weights 1/(n+1), 2 softmax gate over every
-    block, 3 softmax gate over the top_k picks."""
-    mc = MCConfig(variant=variant)
-    if mc.fixed_weights:
-        return 1 if mc.averages else 0
-    return 3 if mc.selects else 2
-
+from mcserve.kernels.triton._launch import _last_contig, _pow2, _variant_code
+from mcserve.kernels.triton.common import check_decode_args
 
 
 def _paged_decode_kernel(
@@ -137,12 +125,6 @@ def _paged_decode_kernel(
         tl.store(y_ptr + b * sy_b + h * sy_h + offs_v, acc, mask=mv)
 
 
-def _pow2(x: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(max(1, x)))
-
-
-def _last_contig(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 def paged_mc_decode_linear(
@@ -151,7 +133,7 @@ def paged_mc_decode_linear(
     n_seg: Tensor | None = None, state_table: Tensor | None = None, out: Tensor | None = None,
     row_top_k: Tensor | None = None, block_v: int | None = None,
 ) -> Tensor:
-    """Triton twin of ``twins.paged_mc_decode_linear_torch`` (same signature and result).
+    """Triton twin of ``twin.paged_mc_decode_linear_torch`` (same signature and result).
 
     One launch, grid (B, H, ⌈V/BV⌉). ``block_v`` overrides the V tile (a power of two).
     """
@@ -190,28 +172,3 @@ def paged_mc_decode_linear(
         BN=BN, BK=BK, BV=BV, F64=q.dtype == torch.float64,
     )
     return out
-
-
-def ssc_router(u: Tensor, ksum_pool: Tensor, table: Tensor, *, segment_len: int, top_k: int,
-               row_top_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Triton twin of ``twins.ssc_router_torch`` (same signature and result); grid (B, H)."""
-    tab = _check_router(u, ksum_pool, table, segment_len, top_k, row_top_k)
-    B, H, K = u.shape
-    N = tab.shape[-1]
-    u, ksum_pool = _last_contig(u), _last_contig(ksum_pool)
-    idx = torch.empty(B, H, top_k, dtype=torch.int64, device=u.device)
-    sc = torch.empty(B, H, top_k, dtype=u.dtype, device=u.device)
-    if B == 0 or H == 0:
-        return idx, sc
-    jitted(_paged_decode_kernel)[(B, H, 1)](
-        u, u, u, u, tab, tab, ksum_pool, ksum_pool, tab,
-        row_top_k if row_top_k is not None else tab, sc, idx, sc,
-        N, K, 1, segment_len,
-        0, 0, u.stride(0), u.stride(1), 0, 0, 0, 0,
-        tab.stride(0), tab.stride(1), tab.stride(2), 0, 0, 0,
-        0, 0, 0, ksum_pool.stride(0), ksum_pool.stride(1), 0, 0, idx.stride(0), idx.stride(1),
-        VARIANT=3, TOP_K=top_k, HAS_NSEG=False, HAS_KROW=row_top_k is not None,
-        ROUTE_ONLY=True,
-        BN=_pow2(N), BK=_pow2(K, 16), BV=16, F64=u.dtype == torch.float64,
-    )
-    return idx, sc

@@ -1,6 +1,7 @@
-"""Triton kernels: chunk-parallel gated linear prefill with segment checkpoints.
+"""Triton kernels: chunk-parallel gated linear prefill with segment checkpoints
+(``impl="chunk"``).
 
-The sequence-walking kernel (``prefill.py``) runs one program per (sequence, head, V tile)
+The sequence-walking kernel (``scan.py``) runs one program per (sequence, head, V tile)
 through all of its chunks in order: no parallelism along T. Here the work is split as in
 flash-linear-attention's chunk form (``chunk_fwd_h`` / ``chunk_fwd_o``), three launches:
 
@@ -17,7 +18,7 @@ flash-linear-attention's chunk form (``chunk_fwd_h`` / ``chunk_fwd_o``), three l
 Chunks never straddle a segment boundary: each segment piece of a sequence is cut into chunks
 of at most BT tokens (``chunk_layout``, built on the host from the shapes, with the per-sequence
 layout ``check_prefill_args`` already computes). Signature and semantics are those of
-``twins.chunk_linear_prefill_torch``.
+``twin.chunk_linear_prefill_torch``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.prefill import prepare_prefill
+from mcserve.kernels.triton.linear_prefill.scan import prepare_prefill
 
 
 def _chunk_state_kernel(
@@ -233,7 +234,7 @@ def chunk_linear_prefill_chunked(
     ksum_pool: Tensor | None = None, out: Tensor | None = None, chunk_size: int = 64,
     block_v: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """Chunk-parallel Triton twin of ``twins.chunk_linear_prefill_torch`` (same signature and
+    """Chunk-parallel Triton twin of ``twin.chunk_linear_prefill_torch`` (same signature and
     result). Three launches: chunk states (chunks, H, ⌈V/BV⌉), scan (N, H, ⌈V/BV⌉), outputs
     (chunks, H, ⌈V/BV⌉). ``chunk_size`` bounds the token tile BT (a power of two in [16, 64],
     at most 32 when K > 64); ``block_v`` sets the V tile. Scratch: one (K, V) state per chunk

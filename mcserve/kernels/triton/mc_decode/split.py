@@ -1,6 +1,6 @@
 """Triton kernels: the paged MC decode readout split over the cached blocks (flash-decoding).
 
-At batch 1 the single-launch readout (``decode.py``) has B·H·⌈V/BV⌉ programs, each walking
+At batch 1 the single-launch readout (``single.py``) has B·H·⌈V/BV⌉ programs, each walking
 all N blocks of its row in turn: for N in the hundreds most of the GPU idles. Here the table's
 columns are cut into splits of ``BN`` columns, two launches:
 
@@ -13,7 +13,7 @@ columns are cut into splits of ``BN`` columns, two launches:
    (e^{r_on−M} + Σ_s e^{m_s−M}·l_s); the fixed weights as in the single kernel.
 
 ``ssc`` reads only its ``top_k`` picks, so it has nothing to split: it goes to the single
-kernel. Signature and result are those of ``twins.paged_mc_decode_linear_torch``.
+kernel. Signature and result are those of ``twin.paged_mc_decode_linear_torch``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.decode import _last_contig, _pow2, _variant_code
-from mcserve.kernels.triton.decode import paged_mc_decode_linear as _single
-from mcserve.kernels.triton.twins import check_decode_args
+from mcserve.kernels.triton._launch import _last_contig, _pow2, _variant_code
+from mcserve.kernels.triton.common import check_decode_args
+from mcserve.kernels.triton.mc_decode.single import paged_mc_decode_linear as _single
 
 #: programs below which a batch leaves the GPU mostly idle (about the SM count of current
 #: cards): the split is worth its second launch only when B·H·⌈V/BV⌉ is well under this
@@ -168,7 +168,7 @@ def paged_mc_decode_linear_split(
     n_seg: Tensor | None = None, state_table: Tensor | None = None, out: Tensor | None = None,
     row_top_k: Tensor | None = None, block_n: int | None = None, block_v: int | None = None,
 ) -> Tensor:
-    """Split-N Triton twin of ``twins.paged_mc_decode_linear_torch`` (same signature, result).
+    """Split-N Triton twin of ``twin.paged_mc_decode_linear_torch`` (same signature, result).
 
     Two launches: partials grid (B·H, ⌈V/BV⌉, ⌈N/BN⌉), merge grid (B·H, ⌈V/BV⌉). ``block_n``
     (a power of two) sets the columns per split (default :func:`split_blocks`), ``block_v``

@@ -1,4 +1,5 @@
-"""Triton kernel: chunked gated linear attention that emits segment checkpoints.
+"""Triton kernel: chunked gated linear attention that emits segment checkpoints, one program
+walking each sequence (``impl="scan"``).
 
 One program per (sequence, head, V tile) walks its sequence segment by segment and, inside a
 segment, chunk by chunk (``BT`` tokens): with A the in-chunk cumulative log-decay,
@@ -8,7 +9,8 @@ segment it stores S into ``state_pool[block_ids[j]]`` and the segment's key sum 
 ``ksum_pool[block_ids[j]]`` — straight into the engine's block pool — and, in independent
 mode, restarts S from zero. Chunks never straddle a segment boundary.
 
-Signature and semantics are those of ``twins.chunk_linear_prefill_torch``.
+Signature and semantics are those of the torch twin, ``twin.chunk_linear_prefill_torch``.
+``prepare_prefill`` (argument checks, outputs, per-sequence layout) serves ``chunk.py`` too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.twins import _prefill_outputs, check_prefill_args
+from mcserve.kernels.triton.common import _prefill_outputs, check_prefill_args
 
 
 def _chunk_prefill_kernel(
@@ -177,7 +179,7 @@ def chunk_linear_prefill(
     ksum_pool: Tensor | None = None, out: Tensor | None = None, chunk_size: int = 64,
     block_v: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """Triton twin of ``twins.chunk_linear_prefill_torch`` (same signature and result).
+    """Triton twin of ``twin.chunk_linear_prefill_torch`` (same signature and result).
 
     One launch, grid (N, H, ⌈V/BV⌉); ``chunk_size`` bounds the token tile BT (a power of two
     in [16, 64], at most 32 when K > 64), ``block_v`` sets the V tile.

@@ -11,7 +11,7 @@ heads (Mamba2 with n_groups < n_heads):
    place and online readout, then MC: the collapsed sum (residual/post), an online softmax over
    the cached blocks read through the block table (grm/soup: scores ⟨u, ksum_i⟩/(C·√K) against
    the online ⟨u, p_on⟩/√K, one pass, each block's key sum and state read once), or the top-k
-   picks (ssc, as in ``decode.py``); D skip; output gate and per-head RMSNorm;
+   picks (ssc, as in ``mc_decode/single.py``); D skip; output gate and per-head RMSNorm;
 2. ``_fused_finish_kernel``, grid (B, groups), only when needed: the RMSNorm over norm groups of
    several heads (the first launch leaves the gated, unnormalised y in ``out``) and the tail
    shift of q/k channels shared by several heads (every head's program had to read the old tail
@@ -19,7 +19,7 @@ heads (Mamba2 with n_groups < n_heads):
 
 In-place buffers (conv tail, key sum, state) are read, then a CTA barrier, then written: a
 warp never overwrites what another warp of the program has yet to read. Semantics and signature
-are those of ``twins.fused_linear_decode_torch``.
+are those of the torch twin, ``twin.fused_linear_decode_torch``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import triton.language as tl
 from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.decode import _pow2, _variant_code
-from mcserve.kernels.triton.twins import _head_table, check_fused_args, rows_views
+from mcserve.kernels.triton._launch import _pow2, _variant_code
+from mcserve.kernels.triton.common import _head_table, check_fused_args, rows_views
 
-_VARIANT = {"none": -1}  # the rest: decode._variant_code (0 ones, 1 1/(n+1), 2 softmax, 3 top-k)
+_VARIANT = {"none": -1}  # the rest: _launch._variant_code (0 ones, 1 1/(n+1), 2 softmax, 3 top-k)
 _GATE = {"given": 0, "sigmoid": 1, "softplus": 2}
 
 
@@ -352,7 +352,7 @@ def fused_linear_decode(
     row_top_k: Tensor | None = None, out: Tensor | None = None,
     state_rows: Tensor | None = None,
 ) -> Tensor:
-    """Triton twin of ``twins.fused_linear_decode_torch`` (same signature and result).
+    """Triton twin of ``twin.fused_linear_decode_torch`` (same signature and result).
 
     Launch 1 grid (B, H); launch 2 grid (B, max(norm groups, q/k groups)) only when a norm
     group or a q/k group spans several heads. With ``state_rows`` both read and write the

@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mcserve.kernels.triton._jit import jitted
-from mcserve.kernels.triton.decode import _pow2
+from mcserve.kernels.triton._launch import _pow2
 
 
 def _readout_kernel(
