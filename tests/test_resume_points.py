@@ -378,3 +378,37 @@ def test_tiers_spill_device_host_disk_in_lru_order(tmp_path):
     assert torch.equal(got.rows[0]["mem.S"], torch.full((2, 3), 1.5))
     assert st.num_loaded_disk == 1
     st.unpin(got)
+
+
+def test_the_grid_thins_out_along_a_long_prompt():
+    """Resume points every interval up to four intervals, then at spacings that double: a
+    long prompt ends few prefill chunks at marks (24 for 32K tokens at interval 256), and every
+    prefix still has a point at least three quarters of the way in."""
+    from mcserve.engine.scheduler import grid_step
+
+    def marks(interval: int, n: int) -> list[int]:
+        out, p = [], 0
+        while True:
+            step = grid_step(interval, p)
+            p = (p // step + 1) * step
+            if p > n:
+                return out
+            out.append(p)
+
+    m = marks(256, 32768)
+    assert m[:8] == [256 * i for i in range(1, 9)] and m[-1] == 32768 and len(m) == 24
+    for n in range(256, 32769, 97):
+        assert max(q for q in m if q <= n) >= 0.75 * n - 256, n
+    # in the engine: the points of a long prompt are the grid's marks
+    model = MODELS["mamba2-none"]()
+    eng = engine(model, checkpoint_interval=4, max_model_len=512, max_num_batched_tokens=256)
+    prompt = rand_ids(150, 21)
+    run(eng, [prompt])
+    want = marks(4, len(prompt) - 1)
+    assert want[:4] == [4, 8, 12, 16] and len(want) < 20
+    assert set(want) <= set(eng.resume.positions)
+    # a prompt sharing 120 of its tokens resumes at the deepest mark before them
+    other = prompt[:120] + rand_ids(7, 22)
+    got = run(eng, [other])
+    assert got[0].num_cached_tokens == max(q for q in want if q <= 120)
+    same(got, run(engine(model, enable_prefix_caching=False, max_model_len=512), [other]))

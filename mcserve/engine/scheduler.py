@@ -25,6 +25,19 @@ from mcserve.engine.state_cache import StateCache
 log = logging.getLogger(__name__)
 
 
+def grid_step(interval: int, p: int) -> int:
+    """The spacing of the resume-point grid after prompt position ``p``: ``interval`` up to
+    ``4 · interval``, then the largest power-of-two multiple of ``interval`` no more than a
+    quarter of ``p``. A shared prefix of any length finds a point at least three quarters of the
+    way in, and a long prompt keeps O(log L) points, not L / interval: each ends a prefill
+    chunk, so a 32K prompt computes in 24 chunks instead of 128 at ``interval`` 256 (on a GPU,
+    where a chunk's fixed cost is most of it, that is the prefill time)."""
+    step = interval
+    while step * 8 <= p:
+        step *= 2
+    return step
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -176,12 +189,13 @@ class Scheduler:
 
     def _next_mark(self, seq: Sequence, p: int) -> int | None:
         """The first prompt position after ``p`` to keep a resume point at: the grid
-        (``interval``) or a position the request asked for. Chunks end there."""
+        (``grid_step``) or a position the request asked for. Chunks end there."""
         if self.resume is None:
             return None
         best = None
         if self.interval:
-            q = (p // self.interval + 1) * self.interval
+            step = grid_step(self.interval, p)
+            q = (p // step + 1) * step
             if q <= len(seq.prompt_ids):
                 best = q
         for q in seq.resume_at:
