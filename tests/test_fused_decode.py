@@ -103,13 +103,24 @@ def test_fused_mamba2_block_same_as_python_path(monkeypatch, groups, kw, n_promp
             blk.mixer.D.normal_()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 120, (n,), generator=g).tolist() for n in (7, 1, 12)[:n_prompts]]
+    # every layer in one C++ call (Mamba2Stack), as the engine decodes
+    stacked = []
+    real_stack = mamba2.Mamba2MCForCausalLM._decode_stack
+    monkeypatch.setattr(mamba2.Mamba2MCForCausalLM, "_decode_stack",
+                        lambda self, x, layers: (lambda st: stacked.append(st is not None) or st)(
+                            real_stack(self, x, layers)))
+    got = generate(model, prompts)
+    assert stacked and all(stacked)
+    # each layer's block as its own C++ call
     fused = []
     real = mamba2.Mamba2Block._fused_decode
+    monkeypatch.setattr(mamba2.Mamba2MCForCausalLM, "_decode_stack", lambda *a: None)
     monkeypatch.setattr(mamba2.Mamba2Block, "_fused_decode",
                         lambda self, x, pl: (lambda y: fused.append(y is not None) or y)(
                             real(self, x, pl)))
-    got = generate(model, prompts)
+    per_layer = generate(model, prompts)
     assert fused and all(fused)
+    assert per_layer == got  # the same blocks in the same order: bit for bit
     with cpu.twins_only():
         want = generate(model, prompts)
     for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
@@ -201,3 +212,31 @@ def test_fused_mamba2_block_sees_weights_changed_after_first_decode():
     got, want = generate(model, prompts), generate(fresh, prompts)
     assert got[0][0] == want[0][0]
     assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 1e-5
+
+
+def test_mamba2_stack_only_where_every_block_fuses():
+    # MC layers (segment checkpoints) and Δ-scaled layers keep their own decode path; so does
+    # autograd; a plain model takes the one-call stack
+    from mcserve.models import mamba2
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=120, d_model=32, n_layers=2, n_heads=4, head_dim=8, state_size=8)
+    plain = mamba2.Mamba2MCForCausalLM(mamba2.Mamba2Config(**kw)).eval()
+    grm = mamba2.Mamba2MCForCausalLM(mamba2.Mamba2Config(**kw, mc_variant="grm",
+                                                         segment_len=4)).eval()
+    calls = {}
+    real = mamba2.Mamba2MCForCausalLM._decode_stack
+
+    def spy(self, x, layers):
+        st = real(self, x, layers)
+        calls.setdefault(id(self), []).append(st is not None)
+        return st
+
+    mamba2.Mamba2MCForCausalLM._decode_stack = spy
+    try:
+        generate(plain, [[5, 7, 11]])
+        generate(grm, [[5, 7, 11]])
+    finally:
+        mamba2.Mamba2MCForCausalLM._decode_stack = real
+    assert calls[id(plain)] and all(calls[id(plain)])
+    assert calls[id(grm)] and not any(calls[id(grm)])

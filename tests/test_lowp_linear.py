@@ -291,11 +291,11 @@ def test_mamba2_fused_block_with_lowp_weights(monkeypatch, kind):
 
     model = _mamba2()
     assert lp.apply_weight_precision(model, kind, min_numel=1) == 5  # in/out x2, head
-    fused = []
-    real = mamba2.Mamba2Block._fused_decode
-    monkeypatch.setattr(mamba2.Mamba2Block, "_fused_decode",
-                        lambda self, x, pl: (lambda y: fused.append(
-                            (x.shape[0], y is not None)) or y)(real(self, x, pl)))
+    fused = []  # the model's blocks in one C++ call (Mamba2Stack), as the engine decodes
+    real = mamba2.Mamba2MCForCausalLM._decode_stack
+    monkeypatch.setattr(mamba2.Mamba2MCForCausalLM, "_decode_stack",
+                        lambda self, x, layers: (lambda st: fused.append(
+                            (x.shape[0], st is not None)) or st)(real(self, x, layers)))
     with cap(2):  # bf16: the exact-x level, comparable with the twin at float32 tolerance
         got = _generate(model, PROMPTS)
     assert fused and all(ok for _, ok in fused) and max(b for b, _ in fused) == 5

@@ -429,6 +429,15 @@ class MambaBlock(nn.Module):
             self.norm(x.to(self.norm.weight.dtype)), pl))
 
 
+def _fuses_rows(pl: PagedLayer) -> bool:
+    """What the fused block needs of a step's state views: the SSM state and conv tail of
+    contiguous float32 rows, written in place."""
+    S = pl.mem.get("S")
+    return (pl.inplace and pl.rows is None and S is not None and S.dtype == torch.float32
+            and S.stride(-1) == 1 and S.stride(-2) == S.shape[-1] and pl.conv is not None
+            and pl.conv.stride(-1) == 1)
+
+
 # the parameters ``mamba2_block_decode_`` reads (the gated norm's weight besides, when present)
 _FUSED_PATHS = (("norm", "weight"), ("mixer", "in_proj", "weight"), ("mixer", "in_proj", "bias"),
                 ("mixer", "conv1d", "weight"), ("mixer", "conv1d", "bias"), ("mixer", "dt_bias"),
@@ -449,23 +458,28 @@ class Mamba2Block(MambaBlock):
         """The whole block for one token per row as one C++ call (``mamba2_block_decode_``)
         when it applies: CPU float32 inference without MC (the plain SSM state), states writable
         in place. ``None`` otherwise: the Python path, its twin."""
-        m = self.mixer
-        S = pl.mem.get("S")
-        if (m.memory.cfg.segmented or m.delta_scale != 1.0 or not pl.inplace
-                or pl.rows is not None
-                or torch.is_grad_enabled()
-                or not x.is_cpu or x.dtype != torch.float32 or x.shape[1] != 1
-                or S is None or S.dtype != torch.float32 or S.stride(-1) != 1
-                or S.stride(-2) != S.shape[-1] or pl.conv is None or pl.conv.stride(-1) != 1
-                or self.norm.weight.dtype != torch.float32 or cpu_ops.ops() is None):
+        if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32
+                or x.shape[1] != 1 or not self._fuses_layer() or not _fuses_rows(pl)
+                or cpu_ops.ops() is None):
             return None
-        if x.shape[0] > cpu_ops.GEMV_MAX_ROWS and (is_packed(m.in_proj) or is_packed(m.out_proj)):
-            # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one (int8 and
-            # bfloat16 weights are never packed: their kernels take any batch in the block)
+        if x.shape[0] > cpu_ops.GEMV_MAX_ROWS and self._packed():
             return None
         B = x.shape[0]
-        y = cpu_ops.ops().mamba2_block_decode_(x.view(B, -1), *self._fused_args(), S, pl.conv)
+        y = cpu_ops.ops().mamba2_block_decode_(x.view(B, -1), *self._fused_args(),
+                                               pl.mem["S"], pl.conv)
         return y.view(x.shape)
+
+    def _fuses_layer(self) -> bool:
+        """What the fused block needs of the layer itself: no MC (the plain SSM state), Δ as
+        trained, float32 norm weights."""
+        m = self.mixer
+        return (not m.memory.cfg.segmented and m.delta_scale == 1.0
+                and self.norm.weight.dtype == torch.float32)
+
+    def _packed(self) -> bool:
+        # a batch: oneDNN's packed GEMM (Python path) beats the block's plain one (int8 and
+        # bfloat16 weights are never packed: their kernels take any batch in the block)
+        return is_packed(self.mixer.in_proj) or is_packed(self.mixer.out_proj)
 
     def _fused_args(self) -> tuple:
         """The weights and shape arguments of ``mamba2_block_decode_``, cached while the
@@ -533,6 +547,42 @@ class Mamba2MCForCausalLM(MambaLM):
     block_class = Mamba2Block
     # the decode step reads the engine's slot pools through a row index (PagedLayer.rows)
     decode_state_rows = True
+
+    def forward_paged(self, input_ids: Tensor, layers: list[PagedLayer]) -> Tensor:
+        """``MambaLM.forward_paged``, with every layer in one C++ call where each layer's
+        block would be fused (``Mamba2Block._fused_decode``): the same blocks, one after
+        another, without the Python between them."""
+        x = self.embed(input_ids)
+        stack = self._decode_stack(x, layers)
+        if stack is None:
+            for blk, pl in zip(self.layers, layers, strict=True):
+                x = blk.forward_paged(x, pl)
+            return self._head(x)
+        B = x.shape[0]
+        y = stack.decode_(x.view(B, -1), [pl.mem["S"] for pl in layers],
+                          [pl.conv for pl in layers])
+        return self._head(y.view(x.shape))
+
+    def _decode_stack(self, x: Tensor, layers: list[PagedLayer]) -> Any:
+        """The ``Mamba2Stack`` of every layer's fused block for this step, or None where a
+        layer's block would not be fused. Rebuilt when a layer's arguments change
+        (``_fused_args``: parameters changed or replaced, weights wrapped)."""
+        ops = cpu_ops.ops()
+        if (ops is None or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32
+                or x.shape[1] != 1 or not all(_fuses_rows(pl) for pl in layers)):
+            return None
+        cached = self.__dict__.get("_stack_cache")
+        if cached is not None and cached[1] is None:
+            return None  # a layer that never fuses (MC, Δ scaled): its own path decides
+        args = [blk._fused_args() for blk in self.layers]
+        if cached is None or any(a is not b for a, b in zip(args, cached[0], strict=True)):
+            fuses = all(blk._fuses_layer() for blk in self.layers)
+            cached = self.__dict__["_stack_cache"] = (
+                args, ops.Mamba2Stack(args) if fuses else None,
+                any(blk._packed() for blk in self.layers))
+        if cached[1] is None or (x.shape[0] > cpu_ops.GEMV_MAX_ROWS and cached[2]):
+            return None
+        return cached[1]
 
     def with_delta_scale(self, delta_scale: Any) -> Mamba2MCForCausalLM:
         """The same weights with Δ' = s_l·Δ (``delta_scale``: see ``normalize_delta_scale``)."""

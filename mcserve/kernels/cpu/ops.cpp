@@ -1139,6 +1139,70 @@ torch::Tensor mamba2_block_decode_(
   return xc + rows_linear(yn, W_out, b_out, s_out);
 }
 
+// Every layer of a Mamba2 model for one decode token per row: mamba2_block_decode_ layer after
+// layer, in one call (the per-layer Python around the block call was a sixth of a one-stream
+// step). Built once from each layer's argument tuple (Mamba2Block._fused_args: the weights and
+// shapes, S and the conv tail left out); decode_ takes each layer's S and conv tail.
+struct Mamba2Stack {
+  struct Layer {
+    torch::Tensor norm_w, W_in, conv_w, dt_bias, A_log, Dskip, W_out;
+    c10::optional<torch::Tensor> s_in, b_in, conv_b, gnorm_w, s_out, b_out;
+    double eps, dt_min, dt_max, gnorm_eps;
+    bool norm_before_gate;
+    int64_t H, P, N, G;
+  };
+  std::vector<Layer> layers;
+
+  explicit Mamba2Stack(const std::vector<py::tuple>& args) {
+    for (const auto& a : args) {
+      TORCH_CHECK(a.size() == 22, "Mamba2Stack: 22 arguments per layer expected, got ",
+                  a.size());
+      auto opt = [&](int i) -> c10::optional<torch::Tensor> {
+        if (a[i].is_none()) return c10::nullopt;
+        return a[i].cast<torch::Tensor>();
+      };
+      Layer l;
+      l.norm_w = a[0].cast<torch::Tensor>();
+      l.eps = a[1].cast<double>();
+      l.W_in = a[2].cast<torch::Tensor>();
+      l.s_in = opt(3);
+      l.b_in = opt(4);
+      l.conv_w = a[5].cast<torch::Tensor>();
+      l.conv_b = opt(6);
+      l.dt_bias = a[7].cast<torch::Tensor>();
+      l.A_log = a[8].cast<torch::Tensor>();
+      l.dt_min = a[9].cast<double>();
+      l.dt_max = a[10].cast<double>();
+      l.Dskip = a[11].cast<torch::Tensor>();
+      l.gnorm_w = opt(12);
+      l.gnorm_eps = a[13].cast<double>();
+      l.norm_before_gate = a[14].cast<bool>();
+      l.W_out = a[15].cast<torch::Tensor>();
+      l.s_out = opt(16);
+      l.b_out = opt(17);
+      l.H = a[18].cast<int64_t>();
+      l.P = a[19].cast<int64_t>();
+      l.N = a[20].cast<int64_t>();
+      l.G = a[21].cast<int64_t>();
+      layers.push_back(std::move(l));
+    }
+  }
+
+  torch::Tensor decode_(torch::Tensor x, const std::vector<torch::Tensor>& S,
+                        const std::vector<torch::Tensor>& conv) const {
+    TORCH_CHECK(S.size() == layers.size() && conv.size() == layers.size(),
+                "Mamba2Stack.decode_: one S and one conv tail per layer expected");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& l = layers[i];
+      x = mamba2_block_decode_(x, l.norm_w, l.eps, l.W_in, l.s_in, l.b_in, l.conv_w, l.conv_b,
+                               l.dt_bias, l.A_log, l.dt_min, l.dt_max, l.Dskip, l.gnorm_w,
+                               l.gnorm_eps, l.norm_before_gate, l.W_out, l.s_out, l.b_out, l.H,
+                               l.P, l.N, l.G, S[i], conv[i]);
+    }
+    return x;
+  }
+};
+
 // A zero-filled CPU tensor whose memory is 2 MiB-aligned and advised for transparent huge pages
 // (Linux MADV_HUGEPAGE; elsewhere a plain aligned allocation). Decode reads the block pool in
 // 16 KiB pieces scattered over hundreds of MiB: with 4 KiB pages nearly every piece misses the
@@ -1179,6 +1243,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mc_step_readout_", &mc_step_readout_, "online step + weighted readout of pool blocks");
   m.def("native_block_decode_", &native_block_decode_, "one token through a native MC block");
   m.def("mamba2_block_decode_", &mamba2_block_decode_, "one token through a Mamba2 block");
+  py::class_<Mamba2Stack>(m, "Mamba2Stack")
+      .def(py::init<const std::vector<py::tuple>&>())
+      .def("decode_", &Mamba2Stack::decode_, "one token through every layer, states in place");
   m.def("zeros_hugepage", &zeros_hugepage, "zeros on 2 MiB-aligned, huge-page-advised memory");
   mcserve_lowp::bind(m);
 }
