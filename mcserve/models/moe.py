@@ -168,18 +168,6 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate, d_model, bias=bias)
         self.act = act
 
-    def _experts_gathered(self, hs: Tensor, idx: Tensor, order: Tensor) -> Tensor:
-        """The same with each pair's expert weights gathered by index: no host sync."""
-        ex = self.experts
-        e = idx.reshape(-1).index_select(0, order)  # each pair's expert, in pair order
-        h = torch.bmm(ex.w_in.index_select(0, e), hs[:, :, None])[..., 0]
-        if ex.gated:
-            g, u = h.split(ex.intermediate, dim=-1)
-            h = self.act(g) * u
-        else:
-            h = self.act(h)
-        return torch.bmm(ex.down_proj.index_select(0, e), h[:, :, None])[..., 0]
-
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
