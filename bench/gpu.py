@@ -28,6 +28,9 @@ name) and a device-to-device copy measured at the start of the run.
    against the default (graphs captured at start-up), when the field exists.
 4. **Profile**: one stream of that Mamba2 under ``torch.profiler``, eager and with graphs:
    kernels and host launch calls per decode step, and the card's busy fraction of the step.
+5. **Hybrids**: LFM2-350M-like and Granite-4.0-H-350M-like (``bench/baselines.py``, random
+   weights) decode tokens/s at ``--streams`` in float32, with the static step's CUDA graphs
+   (the KV table in them) and the start-up they cost.
 
 Targets (printed PASS/FAIL, never asserted): Mamba2-130M float32 at 1 stream >= 1000 tokens/s;
 at 256 streams >= 30% of the floor; 32K prefill of grm and ssc8 <= 2x the SDPA Transformer's;
@@ -449,6 +452,36 @@ def lc_bytes(run: lc.EngineRun, name: str, L: int) -> int:
     return param_bytes(run.engine.model) + 2 * c.bytes_per_slot + n_read * c.bytes_per_block
 
 
+def hybrid_section(args, dev: torch.device, budget: Budget, res: dict) -> None:
+    """Section 5: hybrid models on the card (float32, CUDA graphs of the static step with the
+    KV table): LFM2-350M-like and Granite-4.0-H-350M-like decode tokens/s at ``--streams``,
+    each with its start-up (graph capture) and how many graphs were captured."""
+    shapes = ({"LFM2": (bl.lfm2_dir, bl.LFM2_QUICK), "Granite-4.0-H":
+               (bl.granite_hybrid_dir, bl.GRANITE_H_QUICK)} if args.quick else
+              {"LFM2": (bl.lfm2_dir, bl.LFM2_350M), "Granite-4.0-H":
+               (bl.granite_hybrid_dir, bl.GRANITE_H_350M)})
+    max_len = args.prompt_len + args.new_tokens + 1
+    rows: list[dict] = res.setdefault("rows", [])
+    for name, (build, shape) in shapes.items():
+        if not budget.ok(f"hybrid {name}"):
+            continue
+        prompts_of = {n: bl.prompts(shape["vocab_size"], n, args.prompt_len)
+                      for n in args.streams}
+        t0 = time.perf_counter()
+        llm = mcserve_engine(build(shape), "float32", dev, max(args.streams), max_len,
+                             args.prompt_len)
+        info = {"model": name, "impl": "mcserve", "dtype": "float32",
+                "startup_s": time.perf_counter() - t0,
+                "graphs_captured": graphs_captured(llm.engine)}
+        print(f"  {name}: {llm.engine.describe()}; start-up {info['startup_s']:.1f} s, "
+              f"{info['graphs_captured']} CUDA graphs", flush=True)
+        for row in run_mcserve_rows(llm, name, args.streams, prompts_of, args, budget, info):
+            row.pop("tokens", None)
+            rows.append(row)
+        del llm
+        release(dev)
+
+
 def long_context_section(args, dev: torch.device, budget: Budget, bw: dict, res: dict) -> None:
     L = args.lc_length
     res.update({"length": L, "shape": lc.SHAPE, "dtype": "float32", "batch": 1,
@@ -737,8 +770,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="nominal bandwidth in TB/s (default by card name: H100 3.35, H200 4.8)")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth size (1024)")
     ap.add_argument("--sections", nargs="+",
-                    default=["mamba2", "long_context", "graphs", "profile"],
-                    choices=["mamba2", "long_context", "graphs", "profile"])
+                    default=["mamba2", "long_context", "graphs", "profile", "hybrid"],
+                    choices=["mamba2", "long_context", "graphs", "profile", "hybrid"])
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="1 16 64 256")
     ap.add_argument("--tf-streams", type=int, nargs="+", default=None, help="1 16 64 256")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
@@ -869,6 +902,9 @@ def main(argv: list[str] | None = None) -> int:
     if "graphs" in args.sections:
         gres = data.setdefault("graphs", {})
         guarded("3. CUDA graphs", lambda: graphs_section(args, dev, budget, gres, mamba2))
+    if "hybrid" in args.sections:
+        hres = data.setdefault("hybrid", {})
+        guarded("5. hybrids", lambda: hybrid_section(args, dev, budget, hres))
     # the greedy tokens were only for the agreement check: keep the JSON small
     for r in mamba2.get("rows", []):
         r.pop("tokens", None)
@@ -880,6 +916,13 @@ def main(argv: list[str] | None = None) -> int:
         report_mamba2(mamba2, args)
     if data.get("long_context", {}).get("rows"):
         report_long_context(data["long_context"])
+    if data.get("hybrid", {}).get("rows"):
+        print_table([[r["model"], r["streams"], f"{r['decode_tokens_per_s']:.1f}",
+                      f"{r['step_s_median'] * 1e3:.3f}", f"{r['e2e_tokens_per_s']:.1f}",
+                      r["graphs_captured"], f"{r['startup_s']:.1f}"]
+                     for r in data["hybrid"]["rows"]],
+                    ["hybrid (float32)", "streams", "decode tok/s", "step ms", "e2e tok/s",
+                     "CUDA graphs", "start-up s"], title="\nHybrids on the card")
     data["targets"] = targets(data, args)
     if budget.skipped:
         print(f"\nskipped ({len(budget.skipped)}): " + "; ".join(budget.skipped))

@@ -55,6 +55,10 @@ def test_gpu_bench_cpu_quick(tmp_path):
     assert "skipped" in graphs or {(x["enforce_eager"], x["streams"]) for x in graphs["rows"]} \
         == {(e, n) for e in (True, False) for n in (1, 4)}
 
+    hyb = {(x["model"], x["streams"]) for x in data["hybrid"]["rows"]}
+    assert hyb == {(m, n) for m in ("LFM2", "Granite-4.0-H") for n in (1, 4)}
+    assert all(x["decode_tokens_per_s"] > 0 for x in data["hybrid"]["rows"])
+
     assert len(data["targets"]) == 8 and all("pass" in t for t in data["targets"])
     assert "Targets (printed, not asserted)" in r.stdout
 
