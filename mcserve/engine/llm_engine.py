@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mcserve.config import EngineConfig, MCConfig, ModelConfig
+from mcserve.engine.host_malloc import keep_freed_memory
 from mcserve.engine.kv_cache import KVCache
 from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mcserve.engine.prefix_keys import prompt_block_hashes, request_salt
@@ -80,6 +81,7 @@ class LLMEngine:
         model.eval()
         if model.device.type == "cpu":  # int8 / bfloat16 large linears (models/lowp_linear.py)
             prepare_cpu_weights(model, config.dtype, config.quantization)
+            keep_freed_memory()  # large temporaries reused warm, not re-faulted (host_malloc.py)
         if config.cpu_packed_weights and model.device.type == "cpu":
             pack_linears(model)
         self.model = model
