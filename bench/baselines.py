@@ -67,16 +67,26 @@ def _word_tokenizer(vocab_size: int, path: Path) -> None:
 
 def mamba2_dir(shape: dict[str, Any] = MAMBA2_130M, seed: int = 0) -> Path:
     """The random-weight Mamba2 checkpoint of ``shape`` (built on first use, then reused)."""
-    name = (f"mamba2-d{shape['hidden_size']}-l{shape['num_hidden_layers']}"
+    return random_checkpoint_dir("mamba2", "Mamba2Config", "Mamba2ForCausalLM",
+                                 dict(shape, tie_word_embeddings=True), seed)
+
+
+def random_checkpoint_dir(prefix: str, config_class: str, model_class: str,
+                          shape: dict[str, Any], seed: int) -> Path:
+    """A random-weight transformers checkpoint of ``shape`` (``config_class(**shape)``,
+    ``model_class``, seeded, ``save_pretrained``; word-level tokenizer.json) in the bench cache as
+    ``<prefix>-d<hidden>-l<layers>-v<vocab>-s<seed>``: built on first use, then reused."""
+    name = (f"{prefix}-d{shape['hidden_size']}-l{shape['num_hidden_layers']}"
             f"-v{shape['vocab_size']}-s{seed}")
     out = cache_dir() / name
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
-    from transformers import Mamba2Config, Mamba2ForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = Mamba2ForCausalLM(Mamba2Config(**shape, bos_token_id=None, eos_token_id=None,
-                                           pad_token_id=0, tie_word_embeddings=True))
+    cfg = getattr(transformers, config_class)(**shape, bos_token_id=None, eos_token_id=None,
+                                              pad_token_id=0)
+    model = getattr(transformers, model_class)(cfg).eval()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -627,40 +637,18 @@ GRANITE_H_QUICK: dict[str, Any] = dict(GRANITE_H_350M, num_hidden_layers=2, voca
                                        layer_types=["mamba", "attention"])
 
 
-def _hybrid_dir(prefix: str, config_class: str, model_class: str, shape: dict[str, Any],
-                seed: int) -> Path:
-    name = (f"{prefix}-d{shape['hidden_size']}-l{shape['num_hidden_layers']}"
-            f"-v{shape['vocab_size']}-s{seed}")
-    out = cache_dir() / name
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, config_class)(**shape, bos_token_id=None, eos_token_id=None,
-                                              pad_token_id=0)
-    model = getattr(transformers, model_class)(cfg).eval()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    _word_tokenizer(shape["vocab_size"], tmp / "tokenizer.json")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
 def lfm2_dir(shape: dict[str, Any] = LFM2_350M, seed: int = 0) -> Path:
     """The random-weight LFM2 checkpoint of ``shape`` (transformers' ``Lfm2ForCausalLM``,
     seeded, ``save_pretrained``; word-level tokenizer.json; built on first use, then reused)."""
-    return _hybrid_dir("lfm2", "Lfm2Config", "Lfm2ForCausalLM", shape, seed)
+    return random_checkpoint_dir("lfm2", "Lfm2Config", "Lfm2ForCausalLM", shape, seed)
 
 
 def granite_hybrid_dir(shape: dict[str, Any] = GRANITE_H_350M, seed: int = 0) -> Path:
     """The random-weight Granite-4.0-H checkpoint of ``shape`` (transformers'
     ``GraniteMoeHybridForCausalLM``, seeded, ``save_pretrained``; word-level tokenizer.json;
     built on first use, then reused)."""
-    return _hybrid_dir("granite-h", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
-                       shape, seed)
+    return random_checkpoint_dir("granite-h", "GraniteMoeHybridConfig",
+                                 "GraniteMoeHybridForCausalLM", shape, seed)
 
 
 #: the layer names of the published Granite-4.0-H config.json files, which the converter reads

@@ -144,9 +144,10 @@ def hybrid_dir(seed: int) -> Path:
     """The random-weight LFM2 checkpoint of ``HYBRID_SHAPE`` (transformers' ``Lfm2ForCausalLM``
     seeded with ``seed``, ``save_pretrained`` into ``baselines.cache_dir()``; built on first use,
     then reused)."""
-    from baselines import _hybrid_dir
+    from baselines import random_checkpoint_dir
 
-    return _hybrid_dir("lfm2-longctx", "Lfm2Config", "Lfm2ForCausalLM", HYBRID_SHAPE, seed)
+    return random_checkpoint_dir("lfm2-longctx", "Lfm2Config", "Lfm2ForCausalLM", HYBRID_SHAPE,
+                                 seed)
 
 
 def prompt(length: int, seed: int, vocab: int = SHAPE["vocab_size"]) -> list[int]:

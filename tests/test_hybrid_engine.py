@@ -262,8 +262,8 @@ def test_static_decode_step_matches_the_ragged_one(family):
 def test_static_step_on_padding_touches_only_the_scratch_rows(family):
     """What CUDA-graph warm-up and capture run: the static step on the padding that
     ``reset_static_inputs`` writes, at every (batch, width) bucket. It reads and writes only the
-    scratch slot and the KV pool's scratch block (a layout that depended on the batch once sent
-    smaller buckets' KV writes to block 0 and their reads past the pool)."""
+    scratch slot and the KV pool's scratch block: every bucket reads the same padding, so none
+    writes into a real block or reads a table entry past the pool."""
     path, _ = family
     eng = _engine(path)
     r, kv = eng.runner, eng.kv

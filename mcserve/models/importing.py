@@ -214,27 +214,19 @@ def renamers(rename: tuple[tuple[str, str], ...], parts: tuple[tuple[str, str], 
     """(transformers name → ours, ours → transformers name) from a table of prefixes and one
     of inner parts (the first matching entry of each applies; the reverse map takes the first
     entry with the ours side, so list the current transformers name before legacy ones)."""
-    def ours(src: str) -> str:
-        for a, b in rename:
-            if src.startswith(a):
-                src = b + src[len(a):]
-                break
-        for a, b in parts:
-            if a in src:
-                return src.replace(a, b, 1)
-        return src
-
-    def hf(name: str) -> str:
-        for b, a in rename:
+    def apply(name: str, back: bool) -> str:
+        for pair in rename:
+            a, b = pair[::-1] if back else pair
             if name.startswith(a):
                 name = b + name[len(a):]
                 break
-        for b, a in parts:
+        for pair in parts:
+            a, b = pair[::-1] if back else pair
             if a in name:
                 return name.replace(a, b, 1)
         return name
 
-    return ours, hf
+    return (lambda src: apply(src, False)), (lambda name: apply(name, True))
 
 
 # ---------------------------------------------------------------------------- shared layers
