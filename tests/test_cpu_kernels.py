@@ -343,6 +343,34 @@ def test_isa_choice_and_build_name(monkeypatch, env, flags, want, noted, march):
     assert cpu._src_tag() in name
 
 
+@pytest.mark.parametrize("B,V,W,rows", [(1, 1, 1, [0]), (7, 101, 4, [6, 0, 3]),
+                                         (16, 4096, 128, list(range(16))), (3, 1000, 30, [1])],
+                         ids=["one", "odd", "full", "short-words"])
+def test_mask_logits_matches_twin(B, V, W, rows):
+    # the grammar bitmask applied in place: fresh random words with all-set and all-clear ones,
+    # rows in any order, a vocabulary past the words' 32 W tokens; NaN logits stay where allowed
+    g = torch.Generator().manual_seed(B * V + W)
+    logits = torch.randn(B, V, generator=g)
+    logits[0, 0] = float("nan")
+    bm = torch.randint(-2**31, 2**31 - 1, (len(rows), W), generator=g, dtype=torch.int64)
+    bm = bm.to(torch.int32)
+    bm[0, 0] = -1
+    bm[-1, -1] = 0
+    r = torch.tensor(rows)
+    got = logits.clone()
+    assert cpu.ops().mask_logits_(got, r, bm) is not None
+    want = twins.mask_logits_(logits.clone(), r, bm)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    untouched = [i for i in range(B) if i not in rows]
+    assert torch.equal(got[untouched].nan_to_num(), logits[untouched].nan_to_num())
+    assert torch.equal(cpu.mask_logits_(logits.clone(), r, bm).nan_to_num(), got.nan_to_num())
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        cpu.ops().mask_logits_(logits.clone(), torch.full_like(r, B), bm)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu.ops().mask_logits_(logits.clone(), r, bm.long())
+
+
 @pytest.mark.parametrize("R,N", [(1, 1), (37, 11), (5, 513)], ids=["one", "odd", "long"])
 def test_topk_later_matches_twin(R, N):
     # the one-pass selection against the stable sort: same indices in the same order (largest

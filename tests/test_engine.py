@@ -503,6 +503,28 @@ def test_non_finite_logits_fail_only_that_request(monkeypatch, temperature):
     assert [done[str(i)].outputs[0].token_ids for i in range(4)] == want
 
 
+def test_huge_finite_logits_are_not_taken_for_an_overflow(monkeypatch):
+    # logits that are all finite but whose sum overflows float32 (the engine's first check is
+    # one sum over the batch): every request still decodes, greedy picks the huge entry
+    model = make_model()
+    eng = make_engine(model)
+    original = eng.runner.decode
+
+    def huge(items):
+        logits = original(items)
+        logits[:, 5] = 3e38
+        logits[:, 6] = 2e38
+        return logits
+
+    monkeypatch.setattr(eng.runner, "decode", huge)
+    for i, p in enumerate(prompts()[:3]):
+        eng.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    done = _run_all(eng)
+    for out in done.values():
+        assert out.error is None
+        assert out.outputs[0].token_ids[1:] == [5] * (GREEDY.max_tokens - 1)
+
+
 def test_nan_model_fails_at_prefill_with_a_clear_error():
     # a real model whose every logit is NaN (a poisoned final norm): the first token already
     # fails, alone and in a batched prefill, and the pools come back whole (fixture)

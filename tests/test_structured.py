@@ -10,6 +10,7 @@ model ever closes an unbounded string; such an output ends at ``max_tokens`` wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -312,9 +313,22 @@ def test_rwkv_world_vocabulary_compiles() -> None:
     assert {"0", "9", "12"} <= texts
 
 
-def test_apply_token_bitmask_matches_a_reference() -> None:
-    """The batch's masks are unpacked at once (bit t % 32 of word t // 32), only in the
-    constrained rows, tokens past the mask's words disallowed; the input is not modified."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernel", "twin"])
+def test_apply_token_bitmask_matches_a_reference(kernels: bool) -> None:
+    """The batch's masks are applied at once (bit t % 32 of word t // 32), only in the
+    constrained rows, tokens past the mask's words disallowed; the input is not modified; the
+    C++ kernel and its torch twin alike."""
+    from mcserve.kernels import cpu
+
+    if kernels and not cpu.enabled():
+        pytest.skip(f"the C++ CPU kernels are not built here: {cpu.status()}")
+    with contextlib.ExitStack() as stack:
+        if not kernels:
+            stack.enter_context(cpu.twins_only())
+        _check_apply_token_bitmask()
+
+
+def _check_apply_token_bitmask() -> None:
     g = torch.Generator().manual_seed(0)
     b, v = 5, 100  # 100 tokens: 4 words, the last one partly used
     logits = torch.randn(b, v, generator=g)

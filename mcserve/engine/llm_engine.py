@@ -426,7 +426,9 @@ class LLMEngine:
         far past its training length, in float32) gives NaN logits: greedy decoding would
         return token 0 forever without a word, sampling would fail with a torch message.
         """
-        finite = torch.isfinite(logits).all(dim=-1)  # (B,)
+        if bool(torch.isfinite(logits.sum())):  # one reduction: NaN and inf propagate
+            return seqs, logits
+        finite = torch.isfinite(logits).all(dim=-1)  # (B,): a finite sum may have overflowed
         if bool(finite.all()):
             return seqs, logits
         for seq, ok in zip(seqs, finite.tolist(), strict=True):

@@ -20,11 +20,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from mcserve.engine.outputs import Logprob
 from mcserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, _is_int
+from mcserve.kernels import cpu as cpu_ops
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -173,23 +173,21 @@ def apply_token_bitmask(
     """``logits`` (B, V) with the tokens that ``bitmask`` does not allow set to -inf in
     ``rows`` (a new tensor; the input is not modified). ``bitmask[j]`` holds the allowed tokens
     of row ``rows[j]``: bit ``t % 32`` of int32 word ``t // 32`` (llguidance's layout); tokens
-    past the bitmask's ``32 * words`` are not allowed. Unpacked for all rows at once (no loop
-    over rows or tokens): on the CPU by ``numpy.unpackbits``, elsewhere by shifts on the
-    device (the int32 words cross to it, not a (R, V) mask)."""
+    past the bitmask's ``32 * words`` are not allowed. On the CPU one pass over the words
+    (``kernels.cpu.mask_logits_``, in place on a copy); elsewhere unpacked for all rows at once
+    by shifts on the device (the int32 words cross to it, not a (R, V) mask)."""
     b, v = logits.shape
     r = len(rows)
     if bitmask.dim() != 2 or bitmask.shape[0] != r or bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32 ({r}, words), got {tuple(bitmask.shape)} "
                          f"{bitmask.dtype}")
     device = logits.device
-    if device.type == "cpu":
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1,
-                             bitorder="little")  # (R, 32 * words) of 0/1
-        allowed = torch.from_numpy(bits).view(torch.bool)
-    else:
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        bm = bitmask.to(device, non_blocking=True)
-        allowed = ((bm[:, :, None] >> shifts) & 1).view(r, -1).bool()
+    if device.type == "cpu":  # one pass over the words (C++; a torch twin without it)
+        idx = torch.tensor(list(rows), dtype=torch.long)
+        return cpu_ops.mask_logits_(logits.contiguous().clone(), idx, bitmask.contiguous())
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bm = bitmask.to(device, non_blocking=True)
+    allowed = ((bm[:, :, None] >> shifts) & 1).view(r, -1).bool()
     if allowed.shape[1] < v:
         allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]), value=False)
     allowed = allowed[:, :v]

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("ops.cpp")
 #: every file of the build: ops.cpp and the low-precision kernels it calls (lowp.cpp / lowp.h)
-_SOURCES = (_SRC, _SRC.with_name("lowp.cpp"))
-_HEADERS = (_SRC.with_name("lowp.h"),)
+_SOURCES = (_SRC, _SRC.with_name("lowp.cpp"), _SRC.with_name("sampling.cpp"))
+_HEADERS = (_SRC.with_name("lowp.h"), _SRC.with_name("sampling.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -399,6 +399,18 @@ def topk_later(r: Tensor, k: int) -> Tensor:
     if m is None or not _f32_cpu(r) or r.dim() != 2 or r.stride(-1) != 1:
         return twins.topk_later(r, k)
     return m.topk_later(r, k)
+
+
+def mask_logits_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+    """The grammar bitmask ``(R, W)`` int32 of rows ``rows`` (int64) applied to ``logits``
+    ``(B, V)`` in place: tokens whose bit is clear become -inf (twin ``twins.mask_logits_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(logits) or not logits.is_contiguous()
+            or rows.dtype != torch.int64 or rows.device.type != "cpu"
+            or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu"
+            or not bitmask.is_contiguous()):
+        return twins.mask_logits_(logits, rows, bitmask)
+    return m.mask_logits_(logits, rows.contiguous(), bitmask)
 
 
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,

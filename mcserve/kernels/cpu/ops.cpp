@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include "lowp.h"
+#include "sampling.h"
 
 #include <sys/mman.h>
 
@@ -1248,4 +1249,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("decode_", &Mamba2Stack::decode_, "one token through every layer, states in place");
   m.def("zeros_hugepage", &zeros_hugepage, "zeros on 2 MiB-aligned, huge-page-advised memory");
   mcserve_lowp::bind(m);
+  mcserve_sampling::bind(m);
 }

@@ -185,3 +185,15 @@ def mc_step_readout_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor |
     if ids.shape[1]:
         o = o + readout_paged(pool, ids, q, w_c)
     return o
+
+
+def mask_logits_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+    """Row ``rows[j]`` of ``logits`` (B, V) keeps token t's logit where bit ``t % 32`` of int32
+    word ``bitmask[j, t // 32]`` is set, else -inf (tokens past ``32 * W`` too); in place."""
+    v = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] < v:
+        allowed = F.pad(allowed, (0, v - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :v], -math.inf)
+    return logits
