@@ -87,8 +87,9 @@ def test_fused_block_not_used_when_it_cannot_apply():
 
 @pytest.mark.parametrize("groups,kw,n_prompts", [
     (1, {}, 1), (2, {"d_has_hdim": True}, 3), (1, {"rmsnorm": False}, 2),
-    (1, {"norm_before_gate": True, "time_step_limit": (0.01, 0.5)}, 2)],
-    ids=["1group-1row", "2groups-Dhdim-3rows", "no-gated-norm", "norm-first-clamped"])
+    (1, {"norm_before_gate": True, "time_step_limit": (0.01, 0.5)}, 2), (4, {}, 3)],
+    ids=["1group-1row", "2groups-Dhdim-3rows", "no-gated-norm", "norm-first-clamped",
+         "group-per-head-3rows"])
 def test_fused_mamba2_block_same_as_python_path(monkeypatch, groups, kw, n_prompts):
     from mcserve.models import mamba2
 
@@ -209,6 +210,41 @@ def test_fused_mamba2_block_sees_weights_changed_after_first_decode():
             torch.randn_like(model.layers[1].mixer.in_proj.bias))
     fresh = mamba2.Mamba2MCForCausalLM(cfg).eval()
     fresh.load_state_dict(model.state_dict())
+    got, want = generate(model, prompts), generate(fresh, prompts)
+    assert got[0][0] == want[0][0]
+    assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 1e-5
+
+
+@pytest.mark.parametrize("change", ["data", "module", "conv-inplace", "wrapper"])
+def test_mamba2_stack_sees_any_change_to_what_it_reads(change):
+    # the one-call stack is rebuilt (or reads the change in place) after a parameter's storage
+    # is swapped (``.data =``, as ``Module.to`` does), a projection module is replaced, the conv
+    # weight is updated in place, or a projection's forward is wrapped (int8 weights): decode
+    # then equals a model built fresh from the same weights
+    from mcserve.models import mamba2
+    from mcserve.models.lowp_linear import apply_weight_precision
+
+    torch.manual_seed(3)
+    cfg = mamba2.Mamba2Config(vocab_size=120, d_model=32, n_layers=2, n_heads=4, head_dim=8,
+                              state_size=8)
+    model = mamba2.Mamba2MCForCausalLM(cfg).eval()
+    prompts = [[5, 7, 11, 13, 17, 19]]
+    generate(model, prompts)  # builds the stack
+    fresh = mamba2.Mamba2MCForCausalLM(cfg).eval()
+    with torch.no_grad():
+        mixer = model.layers[1].mixer
+        if change == "data":
+            mixer.out_proj.weight.data = torch.randn_like(mixer.out_proj.weight)
+        elif change == "module":
+            new = torch.nn.Linear(mixer.in_proj.in_features, mixer.in_proj.out_features,
+                                  bias=False)
+            mixer.in_proj = new
+        elif change == "conv-inplace":
+            mixer.conv1d.weight.mul_(-2.0)
+    fresh.load_state_dict(model.state_dict())
+    if change == "wrapper":
+        assert apply_weight_precision(model, "int8", min_numel=1) > 0
+        apply_weight_precision(fresh, "int8", min_numel=1)
     got, want = generate(model, prompts), generate(fresh, prompts)
     assert got[0][0] == want[0][0]
     assert max(abs(a - b) for a, b in zip(got[0][1], want[0][1])) < 1e-5

@@ -57,7 +57,14 @@ from mcserve.models.mc import MCMemory, PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.packed_linear import is_packed
 from mcserve.models.state import LayerState
-from mcserve.models.varlen import conv_varlen, mix_sequence, mix_varlen, params_key, phase_runs
+from mcserve.models.varlen import (
+    ParamsWatch,
+    conv_varlen,
+    mix_sequence,
+    mix_varlen,
+    params_key,
+    phase_runs,
+)
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
@@ -574,15 +581,28 @@ class Mamba2MCForCausalLM(MambaLM):
         cached = self.__dict__.get("_stack_cache")
         if cached is not None and cached[1] is None:
             return None  # a layer that never fuses (MC, Δ scaled): its own path decides
-        args = [blk._fused_args() for blk in self.layers]
-        if cached is None or any(a is not b for a, b in zip(args, cached[0], strict=True)):
-            fuses = all(blk._fuses_layer() for blk in self.layers)
-            cached = self.__dict__["_stack_cache"] = (
-                args, ops.Mamba2Stack(args) if fuses else None,
-                any(blk._packed() for blk in self.layers))
+        if cached is None or not cached[3].current():  # one cheap test, not a walk per layer
+            args = [blk._fused_args() for blk in self.layers]
+            if cached is None or any(a is not b for a, b in zip(args, cached[0], strict=True)):
+                fuses = all(blk._fuses_layer() for blk in self.layers)
+                cached = (args, ops.Mamba2Stack(args) if fuses else None,
+                          any(blk._packed() for blk in self.layers))
+            cached = self.__dict__["_stack_cache"] = cached[:3] + (self._stack_watch(),)
         if cached[1] is None or (x.shape[0] > cpu_ops.GEMV_MAX_ROWS and cached[2]):
             return None
         return cached[1]
+
+    def _stack_watch(self) -> ParamsWatch:
+        """What ``_fused_args`` of every layer reads, watched as one: the parameters, the
+        modules on their paths and the projections' ``forward`` wrappers."""
+        paths, attrs = [], []
+        for i, blk in enumerate(self.layers):
+            at = ("layers", str(i))
+            own = _FUSED_PATHS + ((("mixer", "norm", "weight"),) if blk.mixer.norm is not None
+                                  else ())
+            paths += [at + p for p in own]
+            attrs += [(at + ("mixer", proj), "forward") for proj in ("in_proj", "out_proj")]
+        return ParamsWatch(self, tuple(paths), tuple(attrs))
 
     def with_delta_scale(self, delta_scale: Any) -> Mamba2MCForCausalLM:
         """The same weights with Δ' = s_l·Δ (``delta_scale``: see ``normalize_delta_scale``)."""

@@ -87,6 +87,46 @@ def params_key(root: nn.Module, paths: tuple[tuple[str, ...], ...]) -> tuple:
     return tuple(out)
 
 
+class ParamsWatch:
+    """``params_key``'s test for a fixed set of ``paths``, made once and checked every step:
+    the same module and parameter objects at every hop of each path (so a replaced module or
+    parameter is seen), each parameter at its storage and in-place version, and ``attrs``
+    (``(module path, name)``) the same objects in those modules' own ``__dict__`` (e.g. a
+    ``forward`` wrapper). About 0.2 microseconds a parameter, against a microsecond or more
+    for walking the paths again."""
+
+    def __init__(self, root: nn.Module, paths: tuple[tuple[str, ...], ...],
+                 attrs: tuple[tuple[tuple[str, ...], str], ...] = ()):
+        links: dict[tuple[int, str], tuple[dict, str, object]] = {}
+        self.params: list[tuple[Tensor, int, int | None]] = []
+        for path in paths:
+            m = root
+            for name in path[:-1]:
+                links[(id(m._modules), name)] = (m._modules, name, m._modules[name])
+                m = m._modules[name]
+            p = m._parameters[path[-1]]
+            links[(id(m._parameters), path[-1])] = (m._parameters, path[-1], p)
+            if p is not None:
+                self.params.append((p, p.data_ptr(), None if p.is_inference() else p._version))
+        for mpath, name in attrs:
+            m = root
+            for hop in mpath:
+                links[(id(m._modules), hop)] = (m._modules, hop, m._modules[hop])
+                m = m._modules[hop]
+            links[(id(m.__dict__), name)] = (m.__dict__, name, m.__dict__.get(name))
+        self.links = list(links.values())
+
+    def current(self) -> bool:
+        """Whether nothing the watch covers changed since it was made."""
+        for d, k, o in self.links:
+            if d.get(k) is not o:
+                return False
+        for p, ptr, ver in self.params:
+            if p.data_ptr() != ptr or (ver is not None and p._version != ver):
+                return False
+        return True
+
+
 @functools.lru_cache(maxsize=64)
 def _conv_layout(lens: tuple[int, ...], w1: int, device: torch.device
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

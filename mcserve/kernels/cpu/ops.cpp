@@ -678,7 +678,9 @@ torch::Tensor conv_step_(torch::Tensor tail, const torch::Tensor& x, const torch
                   x.size(1) == C,
               "conv_step_: tail (B, W-1, C), x (B, C), weight (C, W) expected");
   TORCH_CHECK(tail.stride(2) == 1 && x.stride(1) == 1, "conv_step_: channels must be contiguous");
-  auto wt = weight.t().contiguous();  // (W, C): unit stride over channels
+  // the weight read through its strides: a (C, W) one is walked row by row, W taps a channel
+  // (transposing it to unit stride over channels was a copy per call, most of the op's time)
+  const int64_t w0 = weight.stride(0), w1 = weight.stride(1);
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     check_f32(*bias, "conv bias");
@@ -688,20 +690,18 @@ torch::Tensor conv_step_(torch::Tensor tail, const torch::Tensor& x, const torch
   auto out = torch::empty({B, C}, x.options());
   float* tp = tail.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  const float* wp = wt.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t t0 = tail.stride(0), t1 = tail.stride(1), xs0 = x.stride(0);
   for (int64_t bi = 0; bi < B; ++bi) {
     float* tb = tp + bi * t0;
     const float* xb = xp + bi * xs0;
     float* ob = op + bi * C;
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) ob[c] = (bp ? bp[c] : 0.f) + wp[Wm1 * C + c] * xb[c];
-    for (int64_t j = 0; j < Wm1; ++j) {
-      const float* tj = tb + j * t1;
-      const float* wj = wp + j * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) ob[c] += wj[c] * tj[c];
+    for (int64_t c = 0; c < C; ++c) {
+      const float* wc = wp + c * w0;
+      float acc = (bp ? bp[c] : 0.f) + wc[Wm1 * w1] * xb[c];
+      for (int64_t j = 0; j < Wm1; ++j) acc += wc[j * w1] * tb[j * t1 + c];
+      ob[c] = acc;
     }
     for (int64_t j = 0; j + 1 < Wm1; ++j) {
       float* dst = tb + j * t1;
@@ -1099,8 +1099,14 @@ torch::Tensor mamba2_block_decode_(
   auto z = zx.narrow(1, 0, DI);
   auto xbc = conv_step_(conv_tail, zx.narrow(1, DI, CD), conv_w, conv_b, true);  // (B, CD)
   auto xs = xbc.narrow(1, 0, DI).reshape({B, H, P});
-  auto k = at::repeat_interleave(xbc.narrow(1, DI, G * N).reshape({B, G, N}), H / G, 1);
-  auto q = at::repeat_interleave(xbc.narrow(1, DI + G * N, G * N).reshape({B, G, N}), H / G, 1);
+  // each group's B and C for its heads: a broadcast view for one group (linear_step_ reads
+  // through strides), a copy otherwise
+  auto per_head = [&](int64_t off) {
+    auto g = xbc.narrow(1, off, G * N).reshape({B, G, N});
+    return G == 1 ? g.expand({B, H, N}) : G == H ? g : at::repeat_interleave(g, H / G, 1);
+  };
+  auto k = per_head(DI);
+  auto q = per_head(DI + G * N);
   auto delta = torch::empty({B, H}, x.options());
   auto log_a = torch::empty({B, H}, x.options());
   {
