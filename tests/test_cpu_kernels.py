@@ -343,6 +343,32 @@ def test_isa_choice_and_build_name(monkeypatch, env, flags, want, noted, march):
     assert cpu._src_tag() in name
 
 
+@pytest.mark.parametrize("B,T,H,K,V,gated", [(1, 1, 1, 4, 4, True), (2, 7, 3, 5, 6, True),
+                                              (1, 33, 24, 128, 64, True), (3, 9, 2, 8, 8, False)],
+                         ids=["one", "odd", "mamba2-130m-heads", "ungated"])
+def test_linear_scan_matches_twin(B, T, H, K, V, gated):
+    # the token-by-token span against the per-token twin on fresh random inputs; q and k as
+    # strided views (head-major storage), the initial state a row range of a pool, which
+    # the scan must not modify
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + H)
+    q = torch.randn(B, H, T, K, generator=g).transpose(1, 2)
+    k = torch.randn(B, H, T, K, generator=g).transpose(1, 2) * 0.3
+    v = torch.randn(B, T, H, V, generator=g)
+    log_a = -torch.rand(B, T, H, generator=g) if gated else None
+    b = torch.rand(B, T, H, generator=g) if gated else None
+    pool = torch.randn(B + 2, H, K, V, generator=g)
+    s0 = pool[1:B + 1]
+    keep = pool.clone()
+    o, s = cpu.ops().linear_scan(q, k, v, log_a, b, s0)
+    o_ref, s_ref = twins.linear_scan(q, k, v, log_a, b, s0)
+    assert torch.equal(pool, keep)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    o2, s2 = cpu.linear_scan(q, k, v, log_a, b, s0)
+    assert torch.equal(o2, o) and torch.equal(s2, s)
+    with pytest.raises(RuntimeError, match="q, k"):
+        cpu.ops().linear_scan(q, k[:, :, :, :-1], v, log_a, b, s0)
+
+
 @pytest.mark.parametrize("B,V,W,rows", [(1, 1, 1, [0]), (7, 101, 4, [6, 0, 3]),
                                          (16, 4096, 128, list(range(16))), (3, 1000, 30, [1])],
                          ids=["one", "odd", "full", "short-words"])

@@ -1,4 +1,5 @@
-"""chunk_gla (the chunk-parallel path) against naive_gla (its per-token twin)."""
+"""chunk_gla (the chunk-parallel path, and on the CPU the C++ token-by-token scan it takes for
+float32) against naive_gla (its per-token twin)."""
 
 import pytest
 import torch
@@ -22,7 +23,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
                          ids=["f64", "f32"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("T,chunk", CASES)
-def test_chunk_matches_naive(T, chunk, gated, dtype, tol):
+@pytest.mark.parametrize("path", ["default", "chunked"])
+def test_chunk_matches_naive(monkeypatch, T, chunk, gated, dtype, tol, path):
+    from mcserve.kernels import gla
+
+    if path == "chunked":  # the products even where the CPU scan would take the span
+        monkeypatch.setattr(gla, "SCAN_MAX_T", 0)
     g = torch.Generator().manual_seed(T * 31 + chunk)
     B, H, K, V = 2, 3, 5, 4
     q = torch.randn(B, T, H, K, generator=g, dtype=dtype)
@@ -37,8 +43,13 @@ def test_chunk_matches_naive(T, chunk, gated, dtype, tol):
     assert _rel(s, s_ref) < tol
 
 
-def test_strong_decay_stays_finite():
+@pytest.mark.parametrize("path", ["default", "chunked"])
+def test_strong_decay_stays_finite(monkeypatch, path):
     # log-decays summing to -1e4 inside a chunk must not overflow the masked exponent
+    from mcserve.kernels import gla
+
+    if path == "chunked":
+        monkeypatch.setattr(gla, "SCAN_MAX_T", 0)
     B, T, H, K = 1, 16, 2, 4
     q, k, v = (torch.randn(B, T, H, K) for _ in range(3))
     log_a = torch.full((B, T, H), -1000.0)

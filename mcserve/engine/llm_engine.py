@@ -365,9 +365,11 @@ class LLMEngine:
             seq = item.seq
             if id(item) in last and seq.num_computed_tokens == seq.num_tokens:
                 to_sample.append((seq, last[id(item)]))
+        batch = None  # the decode's logits, when they are all the rows to sample, in order
         if sched.decodes:
             try:
                 logits = self.runner.decode(sched.decodes)
+                batch = None if to_sample else logits
                 for r, item in enumerate(sched.decodes):
                     to_sample.append((item.seq, logits[r]))
             except Exception as e:  # fails the batch's requests, which report as finished
@@ -376,14 +378,16 @@ class LLMEngine:
                     req = self.requests[item.seq.request_id]
                     touched[req.request_id] = req
                     self._fail(req, e)
+        n_rows = len(to_sample)
         to_sample = [(s, lg) for s, lg in to_sample if not s.finished]
         seqs: list[Sequence] = []
         if to_sample:
             # the constrained rows' allowed tokens, filled before anything waits for the logits:
             # on a GPU the model's step is still running
             self._masks = self.structured.fill_for([s for s, _ in to_sample])
-            seqs, logits = self._drop_non_finite(
-                [s for s, _ in to_sample], torch.stack([lg for _, lg in to_sample]), touched)
+            if batch is None or len(to_sample) != n_rows:
+                batch = torch.stack([lg for _, lg in to_sample])
+            seqs, logits = self._drop_non_finite([s for s, _ in to_sample], batch, touched)
         if seqs:
             try:
                 results = self._sample(seqs, logits)

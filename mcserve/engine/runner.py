@@ -77,6 +77,8 @@ class ModelRunner(StaticDecode):
         self.width_buckets = table_buckets(cap if self.reads_table else 0)
         self.static_decode = False
         self.graphs: DecodeGraphs | None = None
+        # the last contiguous decode's slot range and its per-layer views of the slot pools
+        self._views: tuple[tuple[int, int] | None, list[dict[str, Tensor]]] = (None, [])
         self._static_buffers()
         cache.clear_slot(cache.scratch_slot, self.init_mem)
 
@@ -392,12 +394,18 @@ class ModelRunner(StaticDecode):
         ks = [s.mc_top_k or self.mc.top_k for s in seqs]
         per_row = any(s.mc_top_k for s in seqs)
         top_k = torch.tensor(ks, device=dev) if per_row else None
+        # per layer: the slot tensors' rows as handed to the model, views when contiguous (the
+        # same range as the last step's reuses them: the pools are never replaced), else copies
+        if not contiguous:
+            rows_in = [{n: t[idx] for n, t in sl.items()} for sl in self.cache.slot]
+        elif self._views[0] == (s0, len(seqs)):
+            rows_in = self._views[1]
+        else:
+            rows_in = [{n: t[idx] for n, t in sl.items()} for sl in self.cache.slot]
+            self._views = ((s0, len(seqs)), rows_in)
         layers = []
-        rows_in = []  # per layer: the slot tensors' rows as handed to the model
-        for li, (mc, sl, bl) in enumerate(zip(self.mems, self.cache.slot, self.cache.block,
-                                              strict=True)):
-            got = {n: t[idx] for n, t in sl.items()}  # views when contiguous, else copies
-            rows_in.append(got)
+        for li, (mc, got, bl) in enumerate(zip(self.mems, rows_in, self.cache.block,
+                                               strict=True)):
             layers.append(self._paged_layer(li, mc, got, bl, seg_len, n_seg, table, top_k,
                                              (min(ks), max(ks)) if per_row else None,
                                              offloaded))

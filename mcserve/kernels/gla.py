@@ -1,6 +1,7 @@
 """Gated linear attention over a span of tokens: S_t = a_t·S_{t-1} + b_t·k_t v_tᵀ, o_t = S_tᵀ q_t.
 
-``chunk_gla`` is the chunk-parallel torch path (one masked product per chunk, no per-token loop);
+``chunk_gla`` is the chunk-parallel torch path (one masked product per chunk, no per-token loop;
+on the CPU the span goes token by token in C++ instead, ``kernels.cpu.linear_scan``);
 ``naive_gla`` is its per-token twin with the same signature, used as the test oracle.
 Both take ``initial_state`` and return ``(o, final_state)`` (flash-linear-attention convention).
 """
@@ -9,6 +10,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from mcserve.kernels import cpu as cpu_ops
+
+# on the CPU, spans of at most this many tokens go token by token (``kernels.cpu.linear_scan``):
+# faster than the chunked products at every length measured (2 to 2048 tokens, 4 and 24 heads)
+SCAN_MAX_T = 1 << 62
 
 
 def naive_gla(
@@ -72,6 +79,9 @@ def chunk_gla(
         return torch.matmul(q[:, 0, :, None, :], S).transpose(1, 2), S
     if T == 0:
         return v.new_zeros(v.shape), S
+    if T <= SCAN_MAX_T and cpu_ops.scans(S, q, k, v, log_a, b):
+        # on the CPU: token by token in C++, each head's state kept in cache
+        return cpu_ops.linear_scan(q, k, v, log_a, b, S)
     o, S, _ = _chunked(q, k, v, log_a, b, S, min(chunk_size, T), restart=False, ends=False)
     return o, S
 

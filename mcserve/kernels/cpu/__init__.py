@@ -341,6 +341,23 @@ def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | Non
     return m.linear_step_(S, q, k, v, log_a, b)
 
 
+def scans(*ts: Tensor | None) -> bool:
+    """Whether ``linear_scan`` runs in C++ for these tensors (its twin is slower than the
+    chunked form at any length)."""
+    return ops() is not None and _f32_cpu(*ts)
+
+
+def linear_scan(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
+                initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    """A span of gated linear attention token by token: ``(o, final_state)`` (twin
+    ``twins.linear_scan``)."""
+    m = ops()
+    if m is None or not _f32_cpu(q, k, v, log_a, b, initial_state):
+        return twins.linear_scan(q, k, v, log_a, b, initial_state)
+    o, S = m.linear_scan(q, k, v, log_a, b, initial_state)
+    return o, S
+
+
 def delta_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
                 beta: Tensor | None) -> Tensor:
     """One (gated) delta-rule token in place (twin ``twins.delta_step_``)."""

@@ -488,10 +488,11 @@ void bf_drive(const uint16_t* P, int64_t N, int64_t KP, const typename Impl::X* 
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// a zeroed scratch buffer of n elements of T, its start 64-byte aligned
+// a scratch buffer of n elements of T (not zeroed: the callers write every element), its start
+// 64-byte aligned
 template <class T>
 T* scratch(torch::Tensor& holder, int64_t n) {
-  holder = torch::zeros({n * static_cast<int64_t>(sizeof(T)) + 64}, torch::kUInt8);
+  holder = torch::empty({n * static_cast<int64_t>(sizeof(T)) + 64}, torch::kUInt8);
   auto p = reinterpret_cast<uintptr_t>(holder.data_ptr());
   return reinterpret_cast<T*>((p + 63) / 64 * 64);
 }
@@ -520,13 +521,18 @@ void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, 
 #if defined(MCSERVE_X86) && defined(MCSERVE_BF16_DP)
   if (impl == 3) {
     uint16_t* xb = scratch<uint16_t>(buf, B * Kx);
-    for (int64_t b = 0; b < B; ++b)
+    for (int64_t b = 0; b < B; ++b) {
       for (int64_t k = 0; k < K; ++k) xb[b * Kx + k] = c10::BFloat16(x[b * K + k]).x;
+      std::memset(xb + b * Kx + K, 0, sizeof(uint16_t) * (Kx - K));
+    }
     return bf_drive<BfDot>(P, N, KP, xb, Kx, B, sw, bias, y);
   }
 #endif
   float* xf = scratch<float>(buf, B * Kx);  // rows padded to whole pairs with zeros
-  for (int64_t b = 0; b < B; ++b) std::memcpy(xf + b * Kx, x + b * K, sizeof(float) * K);
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(xf + b * Kx, x + b * K, sizeof(float) * K);
+    std::memset(xf + b * Kx + K, 0, sizeof(float) * (Kx - K));
+  }
   switch (impl) {
 #ifdef MCSERVE_X86
     case 2: return bf_drive<BfAvx512>(P, N, KP, xf, Kx, B, sw, bias, y);

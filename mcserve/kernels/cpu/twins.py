@@ -58,6 +58,17 @@ def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | Non
     return torch.matmul(q[..., None, :], S)[..., 0, :]
 
 
+def linear_scan(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
+                initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    """``linear_step_`` over the T tokens of a span from ``initial_state`` ``(B, H, K, V)``
+    (not modified): q, k ``(B, T, H, K)``, v ``(B, T, H, V)``, log_a and b ``(B, T, H)`` or
+    None. Returns o ``(B, T, H, V)`` and the final state."""
+    S = initial_state.clone()
+    outs = [linear_step_(S, q[:, t], k[:, t], v[:, t], None if log_a is None else log_a[:, t],
+                         None if b is None else b[:, t]) for t in range(q.shape[1])]
+    return (torch.stack(outs, 1) if outs else v.new_zeros(v.shape)), S
+
+
 def _work(S: Tensor) -> Tensor:
     """S itself when its precision is computed in directly, else a float32 copy to compute in
     and copy back: long products of decays and rank-1 updates lose too much in 8 mantissa bits
