@@ -184,7 +184,8 @@ def apply_token_bitmask(
     device = logits.device
     if device.type == "cpu":  # one pass over the words (C++; a torch twin without it)
         idx = torch.tensor(list(rows), dtype=torch.long)
-        return cpu_ops.mask_logits_(logits.contiguous().clone(), idx, bitmask.contiguous())
+        return cpu_ops.mask_logits_(logits.clone(memory_format=torch.contiguous_format), idx,
+                                    bitmask.contiguous())
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     bm = bitmask.to(device, non_blocking=True)
     allowed = ((bm[:, :, None] >> shifts) & 1).view(r, -1).bool()

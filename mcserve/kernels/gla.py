@@ -13,10 +13,6 @@ from torch import Tensor
 
 from mcserve.kernels import cpu as cpu_ops
 
-# on the CPU, spans of at most this many tokens go token by token (``kernels.cpu.linear_scan``):
-# faster than the chunked products at every length measured (2 to 2048 tokens, 4 and 24 heads)
-SCAN_MAX_T = 1 << 62
-
 
 def naive_gla(
     q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
@@ -79,8 +75,9 @@ def chunk_gla(
         return torch.matmul(q[:, 0, :, None, :], S).transpose(1, 2), S
     if T == 0:
         return v.new_zeros(v.shape), S
-    if T <= SCAN_MAX_T and cpu_ops.scans(S, q, k, v, log_a, b):
-        # on the CPU: token by token in C++, each head's state kept in cache
+    if cpu_ops.scans(S, q, k, v, log_a, b):
+        # on the CPU: token by token in C++, each head's state kept in cache (faster than the
+        # chunked products at every length measured, 2 to 2048 tokens, 4 and 24 heads)
         return cpu_ops.linear_scan(q, k, v, log_a, b, S)
     o, S, _ = _chunked(q, k, v, log_a, b, S, min(chunk_size, T), restart=False, ends=False)
     return o, S
