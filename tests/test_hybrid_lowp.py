@@ -6,14 +6,13 @@ logprobs agree with the float32 path on the rounded weights (the kernels' twin).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
 from hybrid_models import FAMILIES
+from lowp_helpers import generate
 
-from mcserve.config import EngineConfig
-from mcserve.engine.llm_engine import LLMEngine
-from mcserve.engine.sampling import SamplingParams
 from mcserve.kernels import cpu
 from mcserve.models import lowp_linear as lp
 from mcserve.models.registry import load_model
@@ -33,20 +32,9 @@ def _exact_x():
         cpu.ops().lowp_set_cap(old)
 
 
-def _generate(model, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=48, kv_cache_mib=4,
-                                 state_cache_mib=64, enable_prefix_caching=False), model=model)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), None, params, prompt_token_ids=p)
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0]
-    return [(outs[str(i)].token_ids,
-             [d[t].logprob for d, t in zip(outs[str(i)].logprobs, outs[str(i)].token_ids,
-                                            strict=True)]) for i in range(len(prompts))]
+# The engine's sizes for these tiny models.
+_generate = functools.partial(generate, max_tokens=8, max_num_seqs=4, max_num_batched_tokens=48,
+                              kv_cache_mib=4, state_cache_mib=64)
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])

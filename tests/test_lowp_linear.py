@@ -6,11 +6,13 @@ such weights, the engine flag, and the accuracy users rely on (perplexity close 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lowp_helpers import generate
 from torch import nn
 
 from mcserve.config import EngineConfig
@@ -241,25 +243,9 @@ def test_serve_flag():
 
 
 # ------------------------------------------------------------------------------ models
-def _generate(model, prompts, **kw):
-    from mcserve.engine.llm_engine import LLMEngine
-    from mcserve.engine.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    cfg = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64,
-               enable_prefix_caching=False)
-    cfg.update(kw)
-    eng = LLMEngine(EngineConfig(**cfg), model=model)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), None, params, prompt_token_ids=p)
-    out = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[int(o.request_id)] = (list(c.token_ids),
-                                          [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
-    return [out[i] for i in range(len(prompts))]
+# The engine's sizes for these tiny models (a test may add more EngineConfig fields).
+_generate = functools.partial(generate, max_tokens=12, max_num_seqs=8, max_model_len=128,
+                              max_num_batched_tokens=64)
 
 
 def _mamba2(seed: int = 0):
