@@ -8,7 +8,7 @@ For each context length L (``--lengths``, default 1K 2K 4K 8K 16K 32K) and each 
 * **prefill time** of one prompt of L tokens (batch 1);
 * **cache bytes held per sequence**, device tier and host tier separately.
 
-Models (all float32, random weights, the same seed for every variant):
+Models (float32, or ``--dtype bfloat16``; random weights, the same seed for every variant):
 
 * mcserve ``MCForCausalLM`` of the default model's shape (``ModelConfig(vocab_size=4096,
   d_model=256, n_layers=4, n_heads=4, head_dim=64, segment_len=64)``, linear memory) with
@@ -55,8 +55,8 @@ Models (all float32, random weights, the same seed for every variant):
   ``generate`` continues from it; decode steps are timed inside ``generate`` by a streamer that
   timestamps every ``put``. Batch 8: the batch-1 prefill cache is copied 8 times (attention
   cost does not depend on the token values) instead of prefilling 8 × L tokens, which is
-  quadratic. KV bytes = 2 × layers × heads × head_dim × L × 4 (the JSON also has the bytes of
-  the cache tensors). Capped at ``--tf-max-len``.
+  quadratic. KV bytes = 2 × layers × heads × head_dim × L × 4 (2 in bfloat16; the JSON also has
+  the bytes of the cache tensors). Capped at ``--tf-max-len``.
 
 The mcserve engines of one variant are reused across lengths with prefix caching: rows 2..8 of
 the batch have prompts that extend their prompt of the previous length, so their prefill only
@@ -122,7 +122,11 @@ HYBRID_SHAPE = dict(
 HYBRID = "hybrid"
 MODELS = list(ENGINE_VARIANTS) + [HYBRID, "loglinear", "transformer"]
 TF_NAMES = {"dynamic": "transformer", "static": "transformer-static"}
-DTYPE_BYTES = 4  # float32
+#: ``--dtype``: the engine's ``EngineConfig(dtype=...)`` (on the CPU bfloat16 gives the large
+#: linears bfloat16 weights and, where the CPU has BF16 dot products, the MC prefill's cached
+#: readout bfloat16 GEMM operands; states stay float32) and the Transformer's weights,
+#: activations and KV cache (``model.to(dtype)``); ``loglinear`` stays float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # targets (printed, not asserted; docs/benchmarks.md)
 SSC_SPEEDUP = 10.0  # ssc top_k 8 vs transformer at 32K, batch 1
@@ -286,6 +290,7 @@ def hybrid_run(args) -> EngineRun:
     tokens = sum(args.lengths) + (bmax - 1) * lmax + bmax * len(args.lengths) * (extra + bs)
     kv_blocks = math.ceil(1.25 * (tokens // bs + WARMUP_TOKENS // bs + 2 * bmax))
     cfg = engine_config(bmax, lmax + extra + 1, 2, model=str(hybrid_dir(args.seed)),
+                        dtype=args.dtype,
                         num_kv_blocks=kv_blocks)
     return EngineRun(None, cfg)
 
@@ -302,7 +307,8 @@ def bench_engine_variant(name: str, args, log) -> list[dict]:
             return bench_host_variant(name, args, log)
         model = make_model(variant, top_k, args.seed)
         run = EngineRun(model, engine_config(max(args.batches), max(args.lengths)
-                                             + args.extra_tokens + 1, _state_blocks(variant, args)))
+                                             + args.extra_tokens + 1, _state_blocks(variant, args),
+                                             dtype=args.dtype))
     lmax = max(args.lengths)
     log(f"  {name}: {run.engine.describe()}")
     run.warm_up()
@@ -347,7 +353,7 @@ def bench_host_variant(name: str, args, log) -> list[dict]:
             dev_blocks = max(2, math.ceil(args.device_fraction * need))
             model = make_model(variant, top_k, args.seed)
             run = EngineRun(model, engine_config(B, L + extra + 1, dev_blocks,
-                                                 host_blocks=need + B))
+                                                 host_blocks=need + B, dtype=args.dtype))
             if L == args.lengths[0]:
                 log(f"  {name}: {run.engine.describe()} host_blocks={need + B}")
             rids = [f"{name}-{L}-{r}" for r in range(B)]
@@ -447,7 +453,7 @@ class StepTimer:
         pass
 
 
-def make_transformer(seed: int):
+def make_transformer(seed: int, dtype: str = "float32"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["d_model"],
@@ -457,12 +463,13 @@ def make_transformer(seed: int):
                       max_position_embeddings=65536, tie_word_embeddings=True,
                       attn_implementation="sdpa")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(DTYPES[dtype])
     return model, cfg
 
 
-def kv_bytes_formula(L: int) -> int:
-    return 2 * SHAPE["n_layers"] * SHAPE["n_heads"] * SHAPE["head_dim"] * L * DTYPE_BYTES
+def kv_bytes_formula(L: int, dtype: str = "float32") -> int:
+    return (2 * SHAPE["n_layers"] * SHAPE["n_heads"] * SHAPE["head_dim"] * L
+            * DTYPES[dtype].itemsize)
 
 
 def cache_tensor_bytes(cache) -> int:
@@ -477,7 +484,7 @@ def bench_transformer(args, log) -> list[dict]:
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    model, cfg = make_transformer(args.seed)
+    model, cfg = make_transformer(args.seed, args.dtype)
     # transformers 5 renamed past_key_values to cache (the old name warns)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     log(f"  transformer: transformers {transformers.__version__} LlamaForCausalLM, "
@@ -491,7 +498,8 @@ def bench_transformer(args, log) -> list[dict]:
     rows = []
     for L in args.lengths:
         res_of = {kind: {"model": TF_NAMES[kind], "length": L, "cache": kind,
-                         "kv_bytes_formula": kv_bytes_formula(L)} for kind in args.tf_caches}
+                         "kv_bytes_formula": kv_bytes_formula(L, args.dtype)}
+                  for kind in args.tf_caches}
         if L > args.tf_max_len:
             for res in res_of.values():
                 res["capped"] = f"L > --tf-max-len={args.tf_max_len}"
@@ -523,7 +531,7 @@ def bench_transformer(args, log) -> list[dict]:
                 d = summarize(steps, B)
                 d["kv_bytes_measured"] = cache_tensor_bytes(cache) / B
                 d["kv_tokens_at_end"] = int(cache.get_seq_length())
-                d["device_bytes"] = float(kv_bytes_formula(L))
+                d["device_bytes"] = float(kv_bytes_formula(L, args.dtype))
                 d["host_bytes"] = 0.0
                 res[f"b{B}"] = d
                 log(f"    {res['model']} L={L} B={B}: {d['tokens_per_s']:.1f} tok/s, "
@@ -640,7 +648,7 @@ def targets(by: dict, args) -> list[dict]:
         r = by.get((name, L))
         c = _cell(r, 1) if r else None
         own = None if c is None else c["device_bytes"] / (c["device_bytes"] + c["host_bytes"])
-        vs_kv = None if c is None else c["device_bytes"] / kv_bytes_formula(L)
+        vs_kv = None if c is None else c["device_bytes"] / kv_bytes_formula(L, args.dtype)
         out.append({"target": f"{name} device bytes / its own cache bytes @32K",
                     "measured": own, "limit": f"<= {SSC_DEVICE}",
                     "pass": None if own is None else own <= SSC_DEVICE})
@@ -694,6 +702,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loglinear-max-len", type=int, default=None,
                     help="longest context for loglinear (default: no cap)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                    help="the engine models' and the Transformer's precision (default float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="lengths 256 512, few steps (CI smoke)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -734,7 +744,7 @@ def main(argv: list[str] | None = None) -> None:
     env = env_info()
     print(env_line(env))
     print(f"lengths {args.lengths}, batches {args.batches}, {args.warmup} warm-up + "
-          f"{args.steps} timed decode steps, float32, {threads} threads", flush=True)
+          f"{args.steps} timed decode steps, {args.dtype}, {threads} threads", flush=True)
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -780,7 +790,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ntotal {total:.0f} s ({', '.join(f'{k} {v:.0f}s' for k, v in timings.items())}); "
           f"load {env_info()['loadavg']}")
     out = {"bench": "long_context", "env": env, "env_end_loadavg": env_info()["loadavg"],
-           "config": {"shape": SHAPE, "dtype": "float32", "lengths": args.lengths,
+           "config": {"shape": SHAPE, "dtype": args.dtype, "lengths": args.lengths,
                       "batches": args.batches, "host_batches": args.host_batches,
                       "models": args.models, "steps": args.steps, "warmup": args.warmup,
                       "device_fraction": args.device_fraction, "tf_chunk": args.tf_chunk,

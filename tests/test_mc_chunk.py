@@ -203,6 +203,34 @@ def test_chunk_cpu_tiling_equals_naive_twin(monkeypatch, variant):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("variant", ["grm", "ssc"])
+def test_chunk_bf16_readout_matches_naive_twin(monkeypatch, variant):
+    """``readout_dtype=bfloat16`` (the CPU's bfloat16 prefill): the cached readout's GEMMs read
+    bfloat16 operands, so y moves by bfloat16 rounding (and does move: the path is taken) but
+    stays within it of the float64 twin; the states and key sums are those of float32."""
+    monkeypatch.setattr(mc_chunk, "_TOKEN_TILE", 16)
+    monkeypatch.setattr(mc_chunk, "_X_BLOCK", 3)
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, K, V, C = 2, 61, 3, 8, 5, 4
+    q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)
+    st = dict(initial_state=torch.randn(B, H, K, V, generator=gen),
+              initial_ksum=torch.randn(B, H, K, generator=gen), initial_fill=2,
+              cached=torch.randn(B, 9, H, K, V, generator=gen),
+              cached_ksum=torch.randn(B, 9, H, K, generator=gen) * 4, n_segments=9)
+    mc = MCConfig(variant=variant, segment_len=C, top_k=40)  # ssc: dense (N < 2·top_k)
+    low = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, readout_dtype=torch.bfloat16, **st)
+    f32 = mc_linear_chunk(q, k, v, u, log_a, b, mc=mc, **st)
+    d = lambda x: x.double()  # noqa: E731
+    want = mc_linear_chunk_naive(*map(d, (q, k, v, u, log_a, b)), mc=mc,
+                                 **{n: d(x) if torch.is_tensor(x) else x for n, x in st.items()})
+    assert not torch.equal(low[0], f32[0])
+    err = (low[0].double() - want[0]).abs().max() / want[0].abs().max()
+    assert err < 2e-2, err
+    torch.testing.assert_close(f32[0].double(), want[0], rtol=1e-4, atol=1e-4)
+    for g, w in zip(low[1:], f32[1:]):
+        assert torch.equal(g, w)
+
+
 @pytest.mark.parametrize("mode", ["checkpoint", "independent"])
 def test_chunk_gradients_match_naive_twin(mode):
     """Training backpropagates through the one-pass chunk (grm, carried checkpoints, a span

@@ -109,11 +109,13 @@ def _select_partial(r: Tensor, top_k: int) -> Tensor:
     return idx
 
 
-def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int
-                    ) -> Tensor:
+def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int,
+                    dtype: torch.dtype | None = None) -> Tensor:
     """Σ_n w[:, t, :, n] S_nᵀ q_t. S ``(B, N, H, K, V)``, q ``(B, L, H, K)``, w ``(B, L, H, N)``
     where token t (of the padded, segment-aligned span) sees checkpoints n < n_carried +
-    t // segment_len (w is zero beyond).
+    t // segment_len (w is zero beyond). ``dtype`` bfloat16 (on the CPU): the GEMMs read the
+    weighted queries and the checkpoints rounded to bfloat16 and each block's product is added
+    into the float32 result (``mc_linear_chunk``'s ``readout_dtype``); None: float32 throughout.
 
     Tiled over tokens and checkpoints; checkpoints a whole tile cannot see are skipped. On the
     CPU the weights go into the GEMM's left operand: per tile and block of checkpoints,
@@ -128,12 +130,16 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
         return _readout_reads(S, q, w, n_carried, segment_len)
     B, L, H, K = q.shape
     N, V = S.shape[1], S.shape[-1]
-    Sx = S.permute(0, 2, 1, 3, 4).reshape(B * H, N * K, V)  # (BH, N·K, V) checkpoint-major
+    low = dtype is not None and dtype != q.dtype
+    # (BH, N·K, V) checkpoint-major (one copy, rounded to ``dtype`` on the way)
+    Sx = torch.empty((B, H, N, K, V), dtype=dtype if low else q.dtype, device=q.device)
+    Sx.copy_(S.permute(0, 2, 1, 3, 4))
+    Sx = Sx.view(B * H, N * K, V)
     qh = q.permute(0, 2, 1, 3).reshape(B * H, L, K)  # (BH, L, K)
     wh = w.permute(0, 2, 1, 3).reshape(B * H, L, N)  # (BH, L, N)
     out = q.new_zeros(B * H, L, V)
     tile, block = _TOKEN_TILE, _X_BLOCK
-    buf = q.new_empty(B * H * min(L, tile) * min(N, block) * K)
+    buf = torch.empty(B * H * min(L, tile) * min(N, block) * K, dtype=Sx.dtype, device=q.device)
     for t0 in range(0, L, tile):
         t1 = min(L, t0 + tile)
         n_vis = min(N, n_carried + (t1 - 1) // segment_len)
@@ -144,7 +150,10 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
             # writes it in one pass and the GEMM reads it as (BH, tile, n·K) without a copy
             X = buf[:B * H * (t1 - t0) * (n1 - n0) * K].view(B * H, t1 - t0, n1 - n0, K)
             torch.mul(wh[:, t0:t1, n0:n1, None], qh[:, t0:t1, None, :], out=X)
-            o.baddbmm_(X.view(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K])
+            if low:  # the block's product in ``dtype`` (float32 accumulation inside the GEMM)
+                o.add_(torch.bmm(X.view(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K]))
+            else:
+                o.baddbmm_(X.view(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K])
     return out.view(B, H, L, V).transpose(1, 2)
 
 
@@ -224,6 +233,7 @@ def mc_linear_chunk(
     q: Tensor, k: Tensor, v: Tensor, u: Tensor, log_a: Tensor | None = None,
     b: Tensor | None = None, *, initial_state: Tensor, initial_ksum: Tensor, initial_fill: int,
     cached: Tensor, cached_ksum: Tensor, n_segments: int, mc: MCConfig, top_k: int | None = None,
+    readout_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """MC over the gated linear memory for a span of tokens that may cross many segments.
 
@@ -232,7 +242,10 @@ def mc_linear_chunk(
     whose state is ``initial_state`` ``(B, H, K, V)`` and key sum ``initial_ksum`` ``(B, H, K)``;
     ``cached`` ``(B, N, H, K, V)`` / ``cached_ksum`` ``(B, N, H, K)`` the cached checkpoints (all
     full segments), or for the fixed-weight variants their sum (N ≤ 1); ``n_segments`` the
-    number of cached segments so far; ``top_k`` a per-request override of ``mc.top_k``.
+    number of cached segments so far; ``top_k`` a per-request override of ``mc.top_k``;
+    ``readout_dtype`` (bfloat16, the CPU's dense cached readout only) the precision of that
+    readout's GEMM operands (float32 accumulation; the scores, the selection, the online term and
+    every state stay in q's dtype), None for q's dtype.
 
     Returns ``(y, final_state, boundary_states, boundary_ksums)``: y ``(B, T, H, V)``; the
     state after the last token ``(B, H, K, V)`` (in independent mode not yet restarted when the
@@ -324,7 +337,7 @@ def mc_linear_chunk(
 
                 y = y + mc_chunk_readout(Sc, qr, w_c, N0, C)
             else:
-                y = y + _readout_blocks(Sc, qr, w_c, N0, C)
+                y = y + _readout_blocks(Sc, qr, w_c, N0, C, readout_dtype)
     y = y.reshape(B, G * C, H, V)[:, f0:f0 + T]
     # a partial last segment's padding wrote nothing and did not decay: S_end[:, -1] is exact
     return y, S_end[:, -1], S_end[:, :n_b], seg_ksum[:, :n_b]
@@ -334,8 +347,10 @@ def mc_linear_chunk_naive(
     q: Tensor, k: Tensor, v: Tensor, u: Tensor, log_a: Tensor | None = None,
     b: Tensor | None = None, *, initial_state: Tensor, initial_ksum: Tensor, initial_fill: int,
     cached: Tensor, cached_ksum: Tensor, n_segments: int, mc: MCConfig, top_k: int | None = None,
+    readout_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``mc_linear_chunk`` token by token (same signature and results): the oracle twin."""
+    """``mc_linear_chunk`` token by token (same signature and results): the oracle twin; it
+    computes in q's dtype whatever ``readout_dtype`` says."""
     _check(q, k, v, u, initial_state, initial_ksum, initial_fill, cached, cached_ksum, mc, top_k)
     segment_len, top_k = mc.segment_len, top_k or mc.top_k
     B, T, H, K = q.shape

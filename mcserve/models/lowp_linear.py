@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from mcserve.config import QUANTIZATIONS
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels.cpu.twins import pack_pairs, unpack_pairs
+from mcserve.models.mc import MCMemory
 from mcserve.models.packed_linear import _PackedForward, _version
 
 log = logging.getLogger(__name__)
@@ -215,5 +216,30 @@ def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None) 
                              f"{quantization!r}")
         return apply_weight_precision(model, quantization)
     if dtype == "bfloat16":
-        return apply_weight_precision(model, "bf16")
+        n = apply_weight_precision(model, "bf16")
+        bf16_readouts(model)
+        return n
     return 0
+
+
+def bf16_dot() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16; the C++ kernels'
+    runtime probe, capped by ``MCSERVE_CPU_ISA``): bfloat16 GEMMs are then about twice
+    float32's rate; without it they convert and run no faster than float32."""
+    info = cpu_ops.lowp_info()
+    return bool(info.get("avx512_bf16")) and int(info.get("bf16_impl", 0)) >= 3
+
+
+def bf16_readouts(model: nn.Module, enable: bool | None = None) -> int:
+    """Give the chunked prefill's dense cached readout (``kernels.mc_chunk``) of every MC
+    memory of ``model`` bfloat16 GEMM operands (float32 accumulation; scores, selection, online
+    term and states stay float32) when ``enable`` (default: ``bf16_dot()``), else float32;
+    returns how many memories read in bfloat16."""
+    on = bf16_dot() if enable is None else enable
+    n = 0
+    for m in model.modules():
+        mem = getattr(m, "memory", None)
+        if isinstance(mem, MCMemory):
+            mem.readout_dtype = torch.bfloat16 if on else None
+            n += on
+    return n

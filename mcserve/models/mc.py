@@ -282,6 +282,10 @@ class MCMemory:
         # constant segments on the gated linear memory: a span crossing any number of segment
         # boundaries is one pass (kernels.mc_chunk). False selects the per-piece loop (its twin).
         self.chunked = cfg.caches_blocks and type(family) is LinearMemory
+        # the precision of the chunk's dense cached readout GEMMs (None: the state's dtype);
+        # bfloat16 where the engine runs bfloat16 on a CPU with BF16 dot products
+        # (models/lowp_linear.py, prepare_cpu_weights)
+        self.readout_dtype: torch.dtype | None = None
 
     def init_state(self, batch: int, heads: int, k_dim: int, v_dim: int, *, dtype: torch.dtype,
                    device: torch.device | str, init: dict[str, Tensor] | None = None
@@ -348,7 +352,8 @@ class MCMemory:
         y, S, bs, bk = mc_linear_chunk(
             q, k, v, u, gates.get("log_a"), gates.get("b"), initial_state=st.mem["S"],
             initial_ksum=ksum0, initial_fill=f0, cached=st.cached["S"],
-            cached_ksum=st.cached_ksum, n_segments=st.n_segments, mc=self.cfg, top_k=st.top_k)
+            cached_ksum=st.cached_ksum, n_segments=st.n_segments, mc=self.cfg, top_k=st.top_k,
+            readout_dtype=self.readout_dtype)
         n_b, fill = bs.shape[1], (f0 + T) % C
         # a segment completed by the last token stays online (pushed by the next span), unless
         # the caller records checkpoints
