@@ -357,7 +357,31 @@ def test_default_model_perplexity_close_to_float32():
     for kw in ({"quantization": "int8"}, {"dtype": "bfloat16"}):
         model = LLM(**kw).engine.model
         assert lp.weight_precision(model)["linears"], kw  # the large linears did change
+        if kw.get("dtype"):  # and the prefill's cached readout in bfloat16, on any CPU
+            assert lp.bf16_readouts(model, enable=True) == len(model.layers)
         assert abs(_ppl(model, ids) / ref - 1) < 0.02, kw
+
+
+def test_bf16_readout_follows_the_precision_and_the_cpu():
+    """``dtype="bfloat16"`` gives the MC memories' chunked readout bfloat16 GEMM operands where
+    the CPU has BF16 dot products (``bf16_dot``), float32 elsewhere; int8 and float32 never."""
+    from mcserve.config import ModelConfig
+    from mcserve.models.mc import MCMemory
+    from mcserve.models.native import MCForCausalLM
+
+    def readouts(model):
+        mems = [m.memory for m in model.modules() if isinstance(getattr(m, "memory", None),
+                                                                  MCMemory)]
+        assert len(mems) == 2
+        return {m.readout_dtype for m in mems}
+
+    for dtype, quant, want in (("bfloat16", None, torch.bfloat16 if lp.bf16_dot() else None),
+                               ("float32", "int8", None), ("float32", None, None)):
+        model = MCForCausalLM(ModelConfig(vocab_size=200, d_model=48, n_layers=2, n_heads=3,
+                                          head_dim=16, mc_variant="grm", segment_len=4)).eval()
+        lp.prepare_cpu_weights(model, dtype, quant)
+        assert readouts(model) == {want}, (dtype, quant)
+    assert lp.bf16_readouts(model, enable=False) == 0 and readouts(model) == {None}
 
 
 def test_eval_ppl_quantization_flag(tmp_path):
