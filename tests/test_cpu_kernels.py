@@ -1,6 +1,9 @@
-"""The C++ decode kernels (mcserve/kernels/cpu/ops.cpp) against their torch twins."""
+"""The C++ decode kernels (mcserve/kernels/cpu/*.cpp) against their torch twins."""
 
 from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,6 +345,24 @@ def test_isa_choice_and_build_name(monkeypatch, env, flags, want, noted, march):
     assert (want in name) == (want != "native")
     assert cpu._src_tag() in name
 
+
+
+def test_every_source_is_built_hashed_and_shipped():
+    # a .cpp missing from _SOURCES is never compiled, a .h missing from _HEADERS never hashed
+    # (an edit to it would load the stale build), and a file outside package-data is missing
+    # from a normal (non-editable) install
+    here = Path(cpu.__file__).parent
+    assert sorted(cpu._SOURCES) == sorted(here.glob("*.cpp"))
+    assert sorted(cpu._HEADERS) == sorted(here.glob("*.h"))
+    pyproject = here.parents[2] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("an installed copy: no pyproject.toml beside it")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(pyproject, "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["mcserve"]
+    for path in cpu._SOURCES + cpu._HEADERS:
+        rel = path.relative_to(here.parents[1]).as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in package-data"
 
 @pytest.mark.parametrize("B,T,H,K,V,gated", [(1, 1, 1, 4, 4, True), (2, 7, 3, 5, 6, True),
                                               (1, 33, 24, 128, 64, True), (3, 9, 2, 8, 8, False)],

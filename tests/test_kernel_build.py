@@ -1,6 +1,6 @@
 """The C++ kernel build survives being killed half-way: the next start builds and loads.
 
-A real build in a private ``TORCH_EXTENSIONS_DIR`` (about a minute on 2 cores), killed once the
+A real build in a private ``TORCH_EXTENSIONS_DIR`` (1-2 minutes on 2 cores), killed once the
 build has taken its lock, then started again under a timeout.
 """
 

@@ -1,14 +1,15 @@
 """Fused single-token CPU kernels (C++, built on first use), with torch twins.
 
 ``ops()`` returns the compiled module, or ``None`` where it cannot be built (no C++ compiler,
-a non-x86 build, ``MCSERVE_CPU_KERNELS=0``); the reason is in ``status()``. The source is
-``ops.cpp`` beside this file; ``torch.utils.cpp_extension.load`` compiles it once per machine
-(about a minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), under a name that holds the CPU kind and the source's hash, and
-reuses it while the source is unchanged. The build runs under an ``flock`` that a killed build
-cannot leave held (``_build_lock``). It targets this CPU (``-march=native``) unless
-``$MCSERVE_CPU_ISA`` asks for a fixed level (``avx2``: x86-64-v3, ``avx512``: x86-64-v4,
-``portable``), each under its own name, never one this CPU lacks (``requested_isa``).
+a non-x86 build, ``MCSERVE_CPU_KERNELS=0``); the reason is in ``status()``. The sources are
+the ``.cpp`` and ``.h`` files beside this file (``_SOURCES``, ``_HEADERS``);
+``torch.utils.cpp_extension.load`` compiles them once per machine (1–2 minutes on 2 cores)
+into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
+under a name that holds the CPU kind and the sources' hash, and reuses it while the sources are
+unchanged. The build runs under an ``flock`` that a killed build cannot leave held
+(``_build_lock``). It targets this CPU (``-march=native``) unless ``$MCSERVE_CPU_ISA`` asks for
+a fixed level (``avx2``: x86-64-v3, ``avx512``: x86-64-v4, ``portable``), each under its own
+name, never one this CPU lacks (``requested_isa``).
 
 The public functions below take the twin's signature (``twins.py``) and pick the C++ op when it
 is built and the inputs qualify (CPU, float32, the layouts the op expects), the twin otherwise,
@@ -33,10 +34,13 @@ from mcserve.kernels.cpu import twins
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("ops.cpp")
-#: every file of the build: ops.cpp and the low-precision kernels it calls (lowp.cpp / lowp.h)
-_SOURCES = (_SRC, _SRC.with_name("lowp.cpp"), _SRC.with_name("sampling.cpp"))
-_HEADERS = (_SRC.with_name("lowp.h"), _SRC.with_name("sampling.h"))
+_DIR = Path(__file__).parent
+#: every file of the build (docs/cpu-kernels.md, "Sources"): ops.cpp binds the module; the float32
+#: ops by kind (ops.h; helpers in common.h), the low-precision products (lowp.cpp / lowp.h) and
+#: the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
+_SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
+                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "sampling.cpp"))
+_HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -195,8 +199,8 @@ def _build():
     with _build_lock(build_dir):
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
-            log.info("building mcserve CPU kernels in %s (once per machine and version: about "
-                     "a minute on 2 cores)", build_dir)
+            log.info("building mcserve CPU kernels in %s (once per machine and version: "
+                     "1-2 minutes on 2 cores)", build_dir)
         t0 = time.perf_counter()
         # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
         mod = load(name=name, sources=[str(f) for f in _SOURCES], extra_cflags=flags,

@@ -30,6 +30,8 @@
 // random problem at first use, and one that disagrees is never used.
 #include "lowp.h"
 
+#include <torch/extension.h>  // bind(): torch's pybind11 casters
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

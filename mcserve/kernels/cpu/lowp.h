@@ -1,8 +1,10 @@
 // Weight-only low-precision matrix products (int8 per-output-channel, bfloat16) for mcserve's
-// CPU decode; lowp.cpp has the kernels and their run-time dispatch, ops.cpp the callers.
+// CPU decode; lowp.cpp has the kernels and their run-time dispatch, blocks.cpp calls them inside
+// the fused blocks and ops.cpp binds them.
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <torch/types.h>
 
 namespace mcserve_lowp {
 

@@ -1,4 +1,4 @@
-"""Plain torch twins of the C++ ops in ``ops.cpp`` (same signatures, same results)."""
+"""Plain torch twins of the C++ ops beside this file (same signatures, same results)."""
 
 from __future__ import annotations
 

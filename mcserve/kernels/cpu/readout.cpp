@@ -1,0 +1,296 @@
+// Reads of the paged pools at decode: the weighted readout of cached state blocks
+// (readout_paged), paged attention for one query per row (paged_attention_decode), MC routing
+// (mc_scores_, topk_later) and the MC step + readout of one token (mc_step_readout_).
+#include "common.h"
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace mcserve_ops {
+
+// Σ_n w[b, n, h] · S[ids[b, n, h], h]ᵀ q[b, h] read from the block pool in place.
+// pool (NB, H, K, V) contiguous, ids (B, n, H) int64, q (B, H, K), w (B, n, H) → (B, H, V).
+torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
+                            const torch::Tensor& q, const torch::Tensor& w) {
+  check_f32(pool, "pool");
+  check_f32(q, "q");
+  check_f32(w, "w");
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "readout_paged: contiguous pool expected");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 3, "ids (B, n, H) int64");
+  const int64_t NB = pool.size(0), H = pool.size(1), K = pool.size(2), V = pool.size(3);
+  const int64_t B = ids.size(0), n = ids.size(1);
+  TORCH_CHECK(ids.size(2) == H && q.sizes() == torch::IntArrayRef({B, H, K}) &&
+                  w.sizes() == torch::IntArrayRef({B, n, H}),
+              "readout_paged: ids (B, n, H), q (B, H, K), w (B, n, H) expected");
+  auto y = torch::zeros({B, H, V}, pool.options());
+  const float* P = pool.data_ptr<float>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float *qp = q.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const int64_t i0s = ids.stride(0), i1s = ids.stride(1), i2s = ids.stride(2);
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), q2 = q.stride(2);
+  const int64_t w0 = w.stride(0), w1 = w.stride(1), w2 = w.stride(2);
+  float* yp = y.data_ptr<float>();
+  bool bad = false;
+  at::parallel_for(0, B * H, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> qv(K);
+    std::vector<const float*> blocks(n);
+    std::vector<float> wts(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t bi = r / H, h = r % H;
+      for (int64_t c = 0; c < K; ++c) qv[c] = qp[bi * q0 + h * q1 + c * q2];
+      int64_t nb = 0;
+      for (int64_t m = 0; m < n; ++m) {
+        const int64_t id = ip[bi * i0s + m * i1s + h * i2s];
+        if (id < 0 || id >= NB) { bad = true; continue; }
+        const float wt = wp[bi * w0 + m * w1 + h * w2];
+        if (wt == 0.f) continue;
+        blocks[nb] = P + (id * H + h) * K * V;
+        wts[nb++] = wt;
+      }
+      readout_row(blocks.data(), wts.data(), nb, qv.data(), K, V, yp + r * V);
+    }
+  });
+  TORCH_CHECK(!bad, "readout_paged: a block id is outside the pool");
+  return y;
+}
+
+// One decode query per row against that row's keys and values in a paged pool (a hybrid
+// model's attention layer): q (B, H, D); k_pool, v_pool (NB, BS, Hkv, D) contiguous; tables
+// (B, N) block ids (-1 pads); lengths (B,) tokens of each row. Grouped-query heads (head h reads
+// KV head h / (H / Hkv)); one pass over the blocks in place with an online softmax in float32.
+// Rows past a row's length are never read. → (B, H, D). Twin: kernels/attention.py's
+// naive_paged_decode (the blocks gathered, the scores written out).
+torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                     const torch::Tensor& v_pool, const torch::Tensor& tables,
+                                     const torch::Tensor& lengths, double scale) {
+  check_f32(q, "q");
+  check_f32(k_pool, "k_pool");
+  check_f32(v_pool, "v_pool");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes(),
+              "paged_attention_decode: contiguous k_pool, v_pool (NB, BS, Hkv, D) expected");
+  const int64_t NB = k_pool.size(0), BS = k_pool.size(1), Hkv = k_pool.size(2),
+                D = k_pool.size(3);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D && q.size(1) % Hkv == 0,
+              "paged_attention_decode: q (B, H, D) with H a multiple of Hkv expected");
+  const int64_t B = q.size(0), H = q.size(1), rep = H / Hkv;
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.size(0) == B,
+              "paged_attention_decode: tables (B, N) int64 expected");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == B,
+              "paged_attention_decode: lengths (B,) int64 expected");
+  const int64_t N = tables.size(1);
+  auto qc = q.contiguous();
+  auto tc = tables.contiguous();
+  auto lc = lengths.contiguous();
+  auto y = torch::zeros({B, H, D}, q.options());
+  const float *qp = qc.data_ptr<float>(), *Kp = k_pool.data_ptr<float>(),
+              *Vp = v_pool.data_ptr<float>();
+  const int64_t *tp = tc.data_ptr<int64_t>(), *lp = lc.data_ptr<int64_t>();
+  float* yp = y.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  bool bad = false;
+  // Split-K (flash-decoding): a task is a run of up to kRun blocks of one row, all heads; it reads
+  // each token's keys (then values) of every KV head as one contiguous row, scores a block at a
+  // time (vectorised dot products), rescales its running sums once per block and head (online
+  // softmax) and leaves a partial (max, sum, accumulator) per head; the partials of a row are
+  // merged after. Long rows thus spread over the threads even at batch 1.
+  constexpr int64_t kRun = 32;
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= N * BS,
+                "paged_attention_decode: a length is outside the row's table");
+  std::vector<int64_t> first(B + 1, 0);  // the row's first task
+  for (int64_t b = 0; b < B; ++b)
+    first[b + 1] = first[b] + ((lp[b] + BS - 1) / BS + kRun - 1) / kRun;
+  const int64_t T = first[B], W = D + 2;  // per head: max, sum, accumulator
+  std::vector<float> part(T * H * W);
+  const int64_t ts = Hkv * D;  // floats from one token's row to the next token's
+  at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> sco(H * BS);
+    for (int64_t task = r0; task < r1; ++task) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t L = lp[b], blk0 = (task - first[b]) * kRun;
+      const int64_t blk1 = std::min((L + BS - 1) / BS, blk0 + kRun);
+      const float* qv = qp + b * H * D;
+      float* pt = part.data() + task * H * W;
+      for (int64_t h = 0; h < H; ++h) {
+        pt[h * W] = -std::numeric_limits<float>::infinity();
+        std::fill(pt + h * W + 1, pt + (h + 1) * W, 0.f);
+      }
+      for (int64_t bi = blk0; bi < blk1; ++bi) {
+        const int64_t blk = tp[b * N + bi];
+        if (blk < 0 || blk >= NB) { bad = true; break; }
+        const int64_t n = std::min(BS, L - bi * BS);
+        const float* kb = Kp + blk * BS * ts;
+        const float* vb = Vp + blk * BS * ts;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t h = 0; h < H; ++h)
+            sco[h * BS + i] = dot(qv + h * D, kb + i * ts + (h / rep) * D, D) * sc;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* sh = sco.data() + h * BS;
+          float* ph = pt + h * W;  // max, sum, accumulator
+          float* ah = ph + 2;
+          float bm = sh[0];
+          for (int64_t i = 1; i < n; ++i) bm = std::max(bm, sh[i]);
+          if (bm > ph[0]) {
+            const float corr = std::exp(ph[0] - bm);
+            ph[1] *= corr;
+            for (int64_t c = 0; c < D; ++c) ah[c] *= corr;
+            ph[0] = bm;
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            const float p = std::exp(sh[i] - ph[0]);
+            ph[1] += p;
+            const float* vr = vb + i * ts + (h / rep) * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) ah[c] += p * vr[c];
+          }
+        }
+      }
+    }
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) M = std::max(M, part[(t * H + h) * W]);
+      float* out = yp + (b * H + h) * D;
+      float S = 0.f;
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+        const float* ph = part.data() + (t * H + h) * W;
+        const float w = std::exp(ph[0] - M);
+        S += w * ph[1];
+        for (int64_t c = 0; c < D; ++c) out[c] += w * ph[2 + c];
+      }
+      for (int64_t c = 0; c < D; ++c) out[c] /= S;
+    }
+  }
+  TORCH_CHECK(!bad, "paged_attention_decode: a length or block id is outside the pool");
+  return y;
+}
+
+// Indices of the k largest entries of each row of r (R, N), largest first; among equal values
+// the later index ranks first (the most recent checkpoint). One pass per row keeps the k best in
+// a small sorted list: a new entry only has to beat the list's last (worst) one, so a row costs
+// about N comparisons. → (R, k) int64.
+torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
+  check_f32(r, "r");
+  TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1, "topk_later: r (R, N) with unit column stride");
+  const int64_t R = r.size(0), N = r.size(1), rs = r.stride(0);
+  TORCH_CHECK(k >= 1 && k <= N, "topk_later: k must be in [1, N], got k=", k, ", N=", N);
+  auto idx = torch::empty({R, k}, r.options().dtype(torch::kInt64));
+  const float* rp = r.data_ptr<float>();
+  int64_t* op = idx.data_ptr<int64_t>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> bv(k);
+    std::vector<int64_t> bi(k);
+    for (int64_t row = r0; row < r1; ++row) {
+      const float* x = rp + row * rs;
+      int64_t m = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = x[n];
+        if (m == k && !(v >= bv[k - 1])) continue;  // not better than the worst kept
+        // position: before every kept entry with a value <= v (n is later than all of them)
+        int64_t p = m < k ? m : k - 1;
+        while (p > 0 && bv[p - 1] <= v) {
+          bv[p] = bv[p - 1];
+          bi[p] = bi[p - 1];
+          --p;
+        }
+        bv[p] = v;
+        bi[p] = n;
+        if (m < k) ++m;
+      }
+      std::copy(bi.begin(), bi.end(), op + row * k);
+    }
+  });
+  return idx;
+}
+
+// MC routing scores of one token (grm/ssc on a linear memory), with the segment's key sum
+// advanced in place: seg_ksum (B, H, K) += k. Returns r (B, N + 1, H): r[:, n] = ⟨u, ksum of
+// block table[b, n]⟩ / (C·√K) (−inf where table < 0), r[:, N] = ⟨u, seg_ksum / (seg_len + 1)⟩/√K.
+torch::Tensor mc_scores_(torch::Tensor seg_ksum, const torch::Tensor& k, const torch::Tensor& u,
+                         const torch::Tensor& seg_len, const torch::Tensor& ksum_pool,
+                         const torch::Tensor& table, int64_t segment_len) {
+  check_f32(seg_ksum, "seg_ksum");
+  check_f32(k, "k");
+  check_f32(u, "u");
+  check_f32(ksum_pool, "ksum_pool");
+  TORCH_CHECK(seg_ksum.dim() == 3 && seg_ksum.stride(2) == 1, "seg_ksum (B, H, K) expected");
+  const int64_t B = seg_ksum.size(0), H = seg_ksum.size(1), K = seg_ksum.size(2);
+  TORCH_CHECK(k.sizes() == seg_ksum.sizes() && u.sizes() == seg_ksum.sizes(),
+              "mc_scores_: k and u (B, H, K) expected");
+  TORCH_CHECK(ksum_pool.dim() == 3 && ksum_pool.size(1) == H && ksum_pool.size(2) == K &&
+                  ksum_pool.is_contiguous(), "mc_scores_: contiguous ksum_pool (NB, H, K)");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.size(0) == B,
+              "mc_scores_: table (B, N) int64 expected");
+  TORCH_CHECK(seg_len.scalar_type() == torch::kInt64 && seg_len.numel() == B,
+              "mc_scores_: seg_len (B,) int64 expected");
+  const int64_t N = table.size(1), NB = ksum_pool.size(0);
+  auto r = torch::empty({B, N + 1, H}, seg_ksum.options());
+  float* rp = r.data_ptr<float>();
+  float* sp = seg_ksum.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *up = u.data_ptr<float>();
+  const float* P = ksum_pool.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = seg_len.data_ptr<int64_t>();
+  const int64_t s0 = seg_ksum.stride(0), s1 = seg_ksum.stride(1);
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
+  const int64_t u0 = u.stride(0), u1 = u.stride(1), u2 = u.stride(2);
+  const int64_t t0 = table.stride(0), t1 = table.stride(1), l0 = seg_len.stride(0);
+  const float rs = 1.f / std::sqrt(static_cast<float>(K));
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < B; ++b)  // every id checked before seg_ksum changes
+    for (int64_t n = 0; n < N; ++n)
+      TORCH_CHECK(tp[b * t0 + n * t1] < NB, "mc_scores_: a block id is outside the pool");
+  std::vector<float> uu(H * K);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float* cum = sp + b * s0 + h * s1;
+      float* uh = uu.data() + h * K;
+      float on = 0.f;
+      for (int64_t c = 0; c < K; ++c) {
+        uh[c] = up[b * u0 + h * u1 + c * u2];
+        cum[c] += kp[b * k0 + h * k1 + c * k2];
+        on += uh[c] * cum[c];
+      }
+      rp[(b * (N + 1) + N) * H + h] = on * rs / static_cast<float>(lp[b * l0] + 1);
+    }
+    // block-major: each block's key sums (H·K floats) are one contiguous read
+    const float scale = rs / static_cast<float>(segment_len);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t id = tp[b * t0 + n * t1];
+      float* out = rp + (b * (N + 1) + n) * H;
+      if (id < 0) {
+        for (int64_t h = 0; h < H; ++h) out[h] = -inf;
+        continue;
+      }
+      const float* ks = P + id * H * K;
+      for (int64_t h = 0; h < H; ++h) out[h] = dot(uu.data() + h * K, ks + h * K, K) * scale;
+    }
+  }
+  return r;
+}
+
+// One token of an MC linear memory (grm/ssc/soup read): the online state steps in place as
+// in linear_step_, and y = w_on · Sᵀq + Σ_n w_c[b, n, h] · pool[ids[b, n, h], h]ᵀ q.
+// w_on (B, H); ids, w_c (B, n, H). Returns y (B, H, V).
+torch::Tensor mc_step_readout_(torch::Tensor S, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const c10::optional<torch::Tensor>& log_a,
+                               const c10::optional<torch::Tensor>& b, const torch::Tensor& w_on,
+                               const torch::Tensor& pool, const torch::Tensor& ids,
+                               const torch::Tensor& w_c) {
+  check_f32(w_on, "w_on");
+  TORCH_CHECK(w_on.dim() == 2 && w_on.size(0) == S.size(0) && w_on.size(1) == S.size(1),
+              "mc_step_readout_: w_on (B, H) expected");
+  auto o = linear_step_(S, q, k, v, log_a, b);  // (B, H, V)
+  o.mul_(w_on.unsqueeze(-1));
+  if (ids.size(1) > 0) o.add_(readout_paged(pool, ids, q, w_c));
+  return o;
+}
+
+}  // namespace mcserve_ops
