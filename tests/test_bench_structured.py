@@ -43,3 +43,27 @@ def test_structured_quick(tmp_path):
     assert {t["pass"] for t in data["targets"]} <= {True, False}
     assert "Targets (printed, not asserted)" in r.stdout
     assert "| decode" in r.stdout and "bitmask fill ms/step" in r.stdout
+    assert data["model"]["name"] == "default" and data["model"]["vocab_size"] == 4096
+
+
+def test_bpe_tokenizer_has_real_subwords_that_constrain(tmp_path):
+    """``--model mamba2-130m``'s vocabulary (``baselines.bpe_tokenizer``, here 600 tokens): a
+    byte-level BPE with multi-byte sub-words that round-trips text, and llguidance compiles a
+    schema over it through the engine's tokenizer."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from baselines import bpe_tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from mcserve.engine.sampling_params import StructuredOutputsParams
+    from mcserve.engine.structured import StructuredOutputs
+    from mcserve.engine.tokenizer import Tokenizer
+
+    bpe_tokenizer(600, tmp_path / "tokenizer.json")
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert hf.get_vocab_size() == 600
+    text = '{"id": 12, "name": "def __init__(self):\\n"}'
+    enc = hf.encode(text)
+    assert hf.decode(enc.ids) == text and len(enc.ids) < len(text.encode())
+    so = StructuredOutputs(Tokenizer.from_dir(tmp_path), 600)
+    matcher = so.matcher(StructuredOutputsParams(json={"type": "object"}))
+    assert so.fill([matcher]).shape == (1, so.words)
