@@ -234,12 +234,13 @@ def bf16_readouts(model: nn.Module, enable: bool | None = None) -> int:
     """Give the chunked prefill's dense cached readout (``kernels.mc_chunk``) of every MC
     memory of ``model`` bfloat16 GEMM operands (float32 accumulation; scores, selection, online
     term and states stay float32) when ``enable`` (default: ``bf16_dot()``), else float32;
-    returns how many memories read in bfloat16."""
+    returns how many memories with such a readout (constant segments on the linear memory) now
+    read it in bfloat16."""
     on = bf16_dot() if enable is None else enable
     n = 0
     for m in model.modules():
         mem = getattr(m, "memory", None)
         if isinstance(mem, MCMemory):
             mem.readout_dtype = torch.bfloat16 if on else None
-            n += on
+            n += on and mem.chunked  # the memories whose prefill has that readout
     return n
