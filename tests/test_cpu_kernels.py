@@ -438,3 +438,22 @@ def test_topk_later_matches_twin(R, N):
         cpu.ops().topk_later(r, N + 1)
     with pytest.raises(ValueError, match="k must be"):
         twins.topk_later(r, 0)
+
+
+@pytest.mark.parametrize("A,T,n,K", [(1, 1, 1, 1), (3, 7, 5, 37), (4, 9, 16, 64), (2, 3, 2, 48)],
+                         ids=["one", "odd", "readout", "k48"])
+def test_outer_bf16_matches_twin(A, T, n, K):
+    # the bfloat16 readout's weighted queries: w and q read through strides (slices of larger
+    # tensors, as the readout's tiles are), every level this CPU runs bit-equal to the twin
+    g = torch.Generator().manual_seed(A * 1000 + T * 10 + K)
+    w = torch.rand(A, T + 3, n + 2, generator=g)[:, 1:T + 1, 2:]
+    q = torch.randn(A, T + 2, K, generator=g)[:, 2:] * 3
+    want = twins.outer_bf16_(torch.empty(A, T, n, K, dtype=torch.bfloat16), w, q)
+    for level in range(int(cpu.lowp_info()["bf16_impl"]) + 1):
+        got = torch.full((A, T, n, K), float("nan"), dtype=torch.bfloat16)
+        cpu.ops().outer_bf16_(got, w, q, level)
+        assert torch.equal(got, want), level
+    got = cpu.outer_bf16_(torch.empty(A, T, n, K, dtype=torch.bfloat16), w, q)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        cpu.ops().outer_bf16_(torch.empty(A, T, n, K), w, q)

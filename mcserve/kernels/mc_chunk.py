@@ -149,10 +149,11 @@ def _readout_blocks(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len
             # (BH, tile, n, K) = w_n · q_t, contiguous (a prefix of the buffer): the product
             # writes it in one pass and the GEMM reads it as (BH, tile, n·K) without a copy
             X = buf[:B * H * (t1 - t0) * (n1 - n0) * K].view(B * H, t1 - t0, n1 - n0, K)
-            torch.mul(wh[:, t0:t1, n0:n1, None], qh[:, t0:t1, None, :], out=X)
-            if low:  # the block's product in ``dtype`` (float32 accumulation inside the GEMM)
+            if low:  # X and the block's product in ``dtype`` (float32 sums inside the GEMM)
+                cpu_ops.outer_bf16_(X, wh[:, t0:t1, n0:n1], qh[:, t0:t1])
                 o.add_(torch.bmm(X.view(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K]))
             else:
+                torch.mul(wh[:, t0:t1, n0:n1, None], qh[:, t0:t1, None, :], out=X)
                 o.baddbmm_(X.view(B * H, t1 - t0, -1), Sx[:, n0 * K:n1 * K])
     return out.view(B, H, L, V).transpose(1, 2)
 

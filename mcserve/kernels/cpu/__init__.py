@@ -327,6 +327,18 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
     return y.view(*x.shape[:-1], scales.numel())
 
 
+def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
+    """X ``(A, T, n, K)`` bfloat16 = w ``(A, T, n)`` ⊗ q ``(A, T, K)`` in place, each float32
+    product rounded to nearest even (twin ``twins.outer_bf16_``, bit-equal on normal numbers):
+    the C++ pass with AVX512-BF16's conversion where the CPU has it (about 5x torch's
+    mixed-dtype multiply), else the twin."""
+    m = ops()
+    if (m is None or not _f32_cpu(w, q) or X.dtype != torch.bfloat16 or not X.is_contiguous()
+            or q.stride(-1) != 1 or int(m.lowp_info()["bf16_impl"]) < 3):
+        return twins.outer_bf16_(X, w, q)
+    return m.outer_bf16_(X, w, q)
+
+
 def lowp_info() -> dict[str, object]:
     """What the low-precision kernels run on here: the CPU's features as they see them
     (``avx2_fma``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``), the implementation level each

@@ -681,6 +681,84 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& W,
   return bf16_linear(x.contiguous(), W, *scales, bias, -1);
 }
 
+// ------------------------------------------------------------------------ bfloat16 outer product
+// X (A, T, n, K) = w (A, T, n) ⊗ q (A, T, K) as bfloat16: each float32 product rounded to
+// nearest even, as torch's float32 → bfloat16 conversion rounds (vcvtneps2bf16 also takes
+// denormal products to zero, a difference below 1.2e-38). The weighted queries of the bfloat16
+// cached readout (kernels/mc_chunk.py), where torch's mixed-dtype multiply runs at a third of
+// its float32 rate.
+namespace {
+
+void outer_rows_scalar(const float* w, int64_t ws, int64_t n, const float* q, int64_t K,
+                       uint16_t* X) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float s = w[j * ws];
+    for (int64_t k = 0; k < K; ++k) X[j * K + k] = c10::BFloat16(s * q[k]).x;
+  }
+}
+
+#ifdef MCSERVE_BF16_DP
+__attribute__((target(MC_AVX512 ",avx512bf16"), noinline)) void outer_rows_bf16(
+    const float* w, int64_t ws, int64_t n, const float* q, int64_t K, uint16_t* X) {
+  const int64_t K16 = K - K % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1u);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 s = _mm512_set1_ps(w[j * ws]);
+    uint16_t* x = X + j * K;
+    for (int64_t k = 0; k < K16; k += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(s, _mm512_loadu_ps(q + k)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + k), reinterpret_cast<const __m256i&>(h));
+    }
+    if (tail) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(tail, q + K16)));
+      _mm256_mask_storeu_epi16(x + K16, tail, reinterpret_cast<const __m256i&>(h));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+torch::Tensor outer_bf16_(torch::Tensor X, const torch::Tensor& w, const torch::Tensor& q,
+                          int64_t impl) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 3 &&
+                  q.device().is_cpu() && q.scalar_type() == torch::kFloat32 && q.dim() == 3,
+              "outer_bf16_: w (A, T, n) and q (A, T, K) must be float32 CPU tensors");
+  const int64_t A = w.size(0), T = w.size(1), n = w.size(2), K = q.size(2);
+  TORCH_CHECK(q.size(0) == A && q.size(1) == T && q.stride(2) == 1,
+              "outer_bf16_: q must be (A, T, K) with unit stride over K, got ", q.sizes(), " ",
+              q.strides(), " for w ", w.sizes());
+  TORCH_CHECK(X.device().is_cpu() && X.scalar_type() == torch::kBFloat16 && X.is_contiguous() &&
+                  X.dim() == 4 && X.size(0) == A && X.size(1) == T && X.size(2) == n &&
+                  X.size(3) == K,
+              "outer_bf16_: X must be a contiguous bfloat16 (A, T, n, K) = (", A, ", ", T, ", ",
+              n, ", ", K, "), got ", X.scalar_type(), " ", X.sizes());
+  const int level = pick(impl, bf_best(), "outer_bf16_");
+  (void)level;  // without the BF16 build every level runs the scalar loop
+  const float* wp = w.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  uint16_t* xp = reinterpret_cast<uint16_t*>(X.data_ptr<at::BFloat16>());
+  const int64_t ws0 = w.stride(0), ws1 = w.stride(1), ws2 = w.stride(2);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, 2 * n * K));
+  at::parallel_for(0, A * T, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t a = r / T, t = r % T;
+      const float* wr = wp + a * ws0 + t * ws1;
+      const float* qr = qp + a * qs0 + t * qs1;
+      uint16_t* xr = xp + r * n * K;
+#ifdef MCSERVE_BF16_DP
+      if (level >= 3) {
+        outer_rows_bf16(wr, ws2, n, qr, K, xr);
+        continue;
+      }
+#endif
+      outer_rows_scalar(wr, ws2, n, qr, K, xr);
+    }
+  });
+  return X;
+}
+
 void bind(pybind11::module& m) {
   m.def("q8_linear", &q8_linear, "x · (packed int8 weight · per-row scales)ᵀ + bias",
         pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
@@ -689,6 +767,10 @@ void bind(pybind11::module& m) {
         "x · (packed bfloat16 weight · per-row scales)ᵀ + bias, float32 sums",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("scales"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("impl") = -1);
+  m.def("outer_bf16_", &outer_bf16_,
+        "X (A, T, n, K) bfloat16 = w (A, T, n) (x) q (A, T, K), products rounded to nearest even",
+        pybind11::arg("X"), pybind11::arg("w"), pybind11::arg("q"),
+        pybind11::arg("impl") = -1);
   m.def("lowp_set_cap", [](int64_t level) { g_cap.store(static_cast<int>(level)); },
         "highest implementation level the low-precision kernels may pick (0..3)");
   m.def("lowp_info", []() {

@@ -27,6 +27,11 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                           int64_t impl);
 
+// X (A, T, n, K) bfloat16 = w (A, T, n) ⊗ q (A, T, K), each float32 product rounded to nearest
+// even; q unit-stride over K, X contiguous. impl: -1 best, 3 AVX512-BF16, below that scalar.
+torch::Tensor outer_bf16_(torch::Tensor X, const torch::Tensor& w, const torch::Tensor& q,
+                          int64_t impl);
+
 // the product for a packed int8 or bfloat16 weight with its scales; any other weight (float32)
 // returns an undefined tensor (the caller's own path)
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& W,

@@ -45,6 +45,12 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
     return F.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
 
 
+def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
+    """X ``(A, T, n, K)`` bfloat16 = w ``(A, T, n)`` ⊗ q ``(A, T, K)``: each float32 product
+    rounded to bfloat16 (to nearest even), in place."""
+    return torch.mul(w[..., None], q[:, :, None, :], out=X)
+
+
 def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
                  b: Tensor | None) -> Tensor:
     """S ``(B, H, K, V)`` ← a·S + (b·k) vᵀ in place; returns o = Sᵀq ``(B, H, V)``.
