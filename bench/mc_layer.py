@@ -53,7 +53,9 @@ from common import (  # noqa: E402
 )
 
 from mcserve.config import MCConfig  # noqa: E402
-from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer, log_boundaries  # noqa: E402
+from mcserve.models.mc import MCMemory  # noqa: E402
+from mcserve.models.mc_loglinear import log_boundaries  # noqa: E402
+from mcserve.models.mc_state import MCLayerState, PagedLayer  # noqa: E402
 from mcserve.models.memory.linear import LinearMemory  # noqa: E402
 
 H, K, V, C = 8, 64, 64, 64

@@ -59,7 +59,7 @@ from mcserve.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine  # noqa: E402
 from mcserve.engine.sampling import SamplingParams  # noqa: E402
 from mcserve.engine.tokenizer import Tokenizer  # noqa: E402
 from mcserve.kernels import cpu as cpu_ops  # noqa: E402
-from mcserve.models.mc import PagedLayer  # noqa: E402
+from mcserve.models.mc_state import PagedLayer  # noqa: E402
 from mcserve.models.native import MCForCausalLM  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, head_dim=64, segment_len=64)

@@ -11,10 +11,11 @@ import random
 import pytest
 import torch
 
-import mcserve.models.mc as mc_mod
+import mcserve.models.mc_loglinear as mc_log
 from mcserve.config import MCConfig
 from mcserve.kernels import reference
-from mcserve.models.mc import MCLayerState, MCMemory
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import MCLayerState
 from mcserve.models.memory.deep import DLAMemory
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 
@@ -63,7 +64,7 @@ def _loop(mc: MCMemory, st: MCLayerState, q, k, v, u, gates):
 
 def _assert_same_state(a: MCLayerState, b: MCLayerState, tol: float) -> None:
     assert (a.pos, a.seg_len, a.n_segments) == (b.pos, b.seg_len, b.n_segments)
-    assert a.cached_pos == b.cached_pos == mc_mod.log_boundaries(a.pos)
+    assert a.cached_pos == b.cached_pos == mc_log.log_boundaries(a.pos)
     assert a.cached_len == b.cached_len
     assert a.num_cached == b.num_cached
     assert _rel(a.mem["S"], b.mem["S"]) < tol
@@ -99,7 +100,7 @@ def test_fast_matches_loop_and_reference(T, gated, dtype, tol):
 def test_odd_chunk_sizes(chunk, monkeypatch):
     # chunks that end off powers of two carry long stacks and segments that straddle the chunk
     # start into every chunk
-    monkeypatch.setattr(mc_mod, "_LOG_CHUNK", chunk)
+    monkeypatch.setattr(mc_log, "_LOG_CHUNK", chunk)
     q, k, v, u, log_a, b = _inputs(2, 77, torch.float64, seed=chunk, gated=True)
     mc = _mc()
     st0 = mc.init_state(2, H, K, V, dtype=torch.float64, device="cpu")

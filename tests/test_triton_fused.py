@@ -364,7 +364,7 @@ def test_fused_decode_reads_the_pool_through_state_rows(cfg, backend):
 
 
 def _pl_for(mem_S, conv, H, K, lens, seed, dtype=torch.float64):
-    from mcserve.models.mc import PagedLayer
+    from mcserve.models.mc_state import PagedLayer
 
     g = torch.Generator().manual_seed(seed)
     B = len(lens)

@@ -424,7 +424,8 @@ def test_twins_match_reference_mc_linear(variant, mode):
 def _paged_layer(family_name, variant, seed, lens, C=4, top_k=2, H=2, K=4, V=3, fetch=False,
                  row_top_k=None):
     from mcserve.config import MCConfig
-    from mcserve.models.mc import MCMemory, PagedLayer
+    from mcserve.models.mc import MCMemory
+    from mcserve.models.mc_state import PagedLayer
     from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 
     g = torch.Generator().manual_seed(seed)

@@ -52,7 +52,8 @@ from recall_common import (  # noqa: E402
 )
 
 from mcserve.config import MEMORIES  # noqa: E402
-from mcserve.models.mc import MCLayerState, MCMemory  # noqa: E402
+from mcserve.models.mc import MCMemory  # noqa: E402
+from mcserve.models.mc_state import MCLayerState  # noqa: E402
 
 MAX_DIST = 16
 

@@ -31,7 +31,8 @@ from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
 from mcserve.engine.state_cache import StateCache
 from mcserve.engine.static_decode import StaticDecode
-from mcserve.models.mc import MCLayerState, MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import MCLayerState, PagedLayer
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.state import LayerState, ModelState
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from mcserve.models.mc import PagedLayer
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.state import ModelState
 from mcserve.models.varlen import check_varlen, spans
 

@@ -59,7 +59,8 @@ from mcserve.models.importing import (
 )
 from mcserve.models.importing import up as _up
 from mcserve.models.layers import GatedMLP
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.delta import DeltaMemory, GatedDeltaMemory
 from mcserve.models.state import LayerState
 from mcserve.models.varlen import fill_conv_tails

@@ -52,7 +52,8 @@ from mcserve.models.importing import (
     up,
 )
 from mcserve.models.layers import GatedMLP
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.gla import VectorGatedMemory
 from mcserve.models.state import LayerState
 from mcserve.models.varlen import fill_conv_tails

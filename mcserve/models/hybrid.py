@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from mcserve.models.attention import Attention, AttnBatch, KVState, PagedKV
 from mcserve.models.base import RecurrentLM
-from mcserve.models.mc import PagedLayer
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.state import LayerState, ModelState
 from mcserve.models.varlen import check_varlen, spans
 

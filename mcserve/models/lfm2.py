@@ -43,7 +43,8 @@ from mcserve.models.importing import (
     require_keys,
 )
 from mcserve.models.layers import GatedMLP, RMSNormF32
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.none import NoMemory
 from mcserve.models.state import LayerState
 from mcserve.models.varlen import spans

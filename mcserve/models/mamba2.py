@@ -53,7 +53,8 @@ from mcserve.models.importing import (
 from mcserve.models.importing import up as _up
 from mcserve.models.layers import GatedRMSNorm, RMSNormF32
 from mcserve.models.lowp_linear import lowp_of
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.packed_linear import is_packed
 from mcserve.models.state import LayerState

@@ -15,15 +15,19 @@ Per piece: one family scan for the online readouts, one contraction for the cach
 of tokens is one masked quadratic form plus a readout of the memories carried into the chunk.
 ``loglinear`` on the other families, and short ``loglinear`` spans (decode), run one piece per
 token.
+
+This module holds ``MCMemory``: the span forward (per piece, or in one pass of
+``kernels.mc_chunk`` for the gated linear memory under constant segments), segment pushes, and
+the ragged decode over a block pool (``decode_paged``: torch, the CPU ops of ``kernels.cpu``, or
+the kernels of ``kernels.dispatch``). The states it works on are in ``mcserve.models.mc_state``;
+the ``loglinear`` re-segmentation and span path are in ``mcserve.models.mc_loglinear``
+(``LogLinearMixin``, which ``MCMemory`` inherits).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -31,25 +35,11 @@ from torch import Tensor
 from mcserve.config import MCConfig
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels.mc_chunk import mc_linear_chunk
+from mcserve.models.mc_loglinear import LogLinearMixin
+from mcserve.models.mc_state import MCLayerState, PagedLayer
 from mcserve.models.memory.base import MemoryFamily, State
 from mcserve.models.memory.linear import LinearMemory
 
-
-def log_boundaries(n: int) -> list[int]:
-    """Cached checkpoint positions for the token at position n under logarithmic segmentation.
-
-    Prefix sums of n's binary expansion, largest power first, without n itself
-    (n = 37 = 100101₂ → [32, 36]).
-    """
-    out, acc = [], 0
-    for j in range(n.bit_length() - 1, -1, -1):
-        if n >> j & 1:
-            acc += 1 << j
-            out.append(acc)
-    return out[:-1]
-
-
-_LOG_CHUNK = 64  # loglinear span path: tokens per chunk; its temporaries are O(B·H·chunk²)
 # shorter loglinear spans (decode) take the per-token loop: ~20 ops a token beat the span path's
 # ~100 ops a chunk below about 3 tokens (CPU, B=1..8, H=8, K=V=64)
 _LOG_FAST_MIN = 4
@@ -58,215 +48,7 @@ _LOG_FAST_MIN = 4
 _ROUTE_ALL = "grm"
 
 
-@dataclass(frozen=True)
-class _LogIndex:
-    """Position-only tables for one loglinear chunk: tokens at positions p0+1 .. p0+L.
-
-    A token at position n reads one segment per set bit i of n: (clear_low(n, i+1),
-    clear_low(n, i)], clear_low(x, i) = x with its bits below i cleared. Indexing segments by bit
-    (not by rank) gives every token of the chunk the same level axis. Positions ≤ p0 are
-    *carried* (0, the stack's boundaries, p0); positions > p0 are in the chunk. A "slot" numbers
-    both: carried position cp[r] → r, chunk position x → m + x - p0 (so p0 has slot m either way).
-    """
-
-    is_set: Tensor  # (L, nbits) bool: bit i of n is set, i.e. the level is a segment of n
-    in_chunk: Tensor  # (L, nbits) bool: a segment of n that ends inside the chunk
-    slot_e: Tensor  # (L, nbits) long: slot of the segment's end
-    slot_s: Tensor  # (L, nbits) long: slot of the segment's start
-    length: Tensor  # (L, nbits) long: tokens in the segment (1 for unset levels, never 0)
-    ce: Tensor  # (L, nbits) long: chunk offset e - p0 of the end (0 for carried ends)
-    w_slot: Tensor  # (L, nbits) long: carried slot (≤ m) of the end, m for in-chunk ends
-    lev_mask: Tensor  # (L, nbits, nbits) bool: [i' ≤ i, level i ends in the chunk, i' is set]
-    lev_tj: Tensor  # (L, L) long: level of token t's segment that holds key j (0 where j > t)
-    ce_tj: Tensor  # (L, L) long: chunk offset of that segment's end
-    causal: Tensor  # (L, L) bool: j ≤ t
-
-
-@functools.lru_cache(maxsize=256)  # ~0.1 MB each; covers 16k-token training spans
-def _log_index(p0: int, L: int, device: torch.device) -> _LogIndex:
-    """The tables of ``_LogIndex`` (cached: training and every layer revisit the same chunks)."""
-    cp = [0] + log_boundaries(p0) + ([p0] if p0 else [])  # carried positions
-    m = len(cp) - 1
-    n = torch.arange(p0 + 1, p0 + L + 1, device=device)  # (L,) positions of the chunk's tokens
-    bits = torch.arange((p0 + L).bit_length(), device=device)
-    e = (n[:, None] >> bits) << bits  # (L, nbits)
-    s = (n[:, None] >> (bits + 1)) << (bits + 1)
-    is_set = e != s
-    in_chunk = is_set & (e > p0)
-    cp_t = torch.tensor(cp, device=device)
-
-    def slot(x: Tensor) -> Tensor:
-        # unset levels may name positions that are not carried: clamp them to a valid slot
-        return torch.where(x > p0, m + x - p0, torch.searchsorted(cp_t, x).clamp(max=m))
-
-    # key j (position x_j) lies in token n's segment of the highest bit where x_j - 1 and n differ
-    causal = n[None, :] <= n[:, None]  # (L, L)
-    d = torch.where(causal, (n[None, :] - 1) ^ n[:, None], 1)  # ≥ 1
-    lev = torch.frexp(d.double()).exponent.long() - 1  # bit_length - 1, exact below 2^53
-    return _LogIndex(
-        is_set=is_set, in_chunk=in_chunk, slot_e=slot(e), slot_s=slot(s),
-        length=(e - s).clamp_min(1), ce=torch.where(in_chunk, e - p0, 0),
-        w_slot=torch.where(in_chunk, m, slot(e)).clamp(max=m),
-        # unset levels i' hold a placeholder C: masked, or exp(C − C[e_i]) could overflow
-        lev_mask=in_chunk[:, :, None] & is_set[:, None, :] & (bits[None, :] <= bits[:, None]),
-        lev_tj=lev, ce_tj=((n[:, None] >> lev) << lev) - p0, causal=causal,
-    )
-
-
-class _Stack:
-    """Preallocated storage behind ``MCLayerState.cached``: appends are amortised O(1).
-
-    States share it append-only: a state that sees N blocks may write block N in place only if
-    nobody has written past N yet (``filled == N``); otherwise it copies (the other writer was a
-    different continuation of the same prefix, e.g. a reused state).
-    """
-
-    def __init__(self, cached: State, ksum: Tensor, capacity: int):
-        n = ksum.shape[1]
-        self.t = {k: _grow(t, capacity) for k, t in cached.items()}
-        self.ksum = _grow(ksum, capacity)
-        self.filled = n
-
-    @property
-    def capacity(self) -> int:
-        return self.ksum.shape[1]
-
-
-def _grow(t: Tensor, capacity: int) -> Tensor:
-    out = t.new_empty((t.shape[0], capacity) + t.shape[2:])
-    out[:, :t.shape[1]] = t
-    return out
-
-
-@dataclass
-class MCLayerState:
-    """Everything one layer needs to continue a batch of sequences (all at position ``pos``)."""
-
-    mem: State  # online memory, family-specific, tensors lead with B
-    seg_ksum: Tensor  # (B, H, K) key sum of the online segment so far
-    seg_len: int  # tokens in the online segment; == segment_len means complete, not yet pushed
-    cached: State  # readout tensors of cached memories stacked on dim 1: (B, N, ...)
-    cached_ksum: Tensor  # (B, N, H, K) key sum of each cached segment
-    cached_len: list[int] = field(default_factory=list)  # tokens of each cached segment
-    cached_pos: list[int] = field(default_factory=list)  # position each cached segment ends at
-    n_segments: int = 0  # cached segments so far (== N unless collapsed into one summed block)
-    pos: int = 0  # tokens consumed
-    v_dim: int = 0  # value dim, to rebuild the initial memory in independent mode
-    top_k: int | None = None  # per-request ssc override of MCConfig.top_k
-    _stack: _Stack | None = field(default=None, repr=False, compare=False)
-    # when a list: ``MCMemory.forward`` appends a record of every segment it completes (its
-    # checkpoint, for the engine to write into a pool block) and pushes a segment completed by
-    # the span's last token at once, instead of at the start of the next span
-    record: list[dict] | None = field(default=None, repr=False, compare=False)
-
-    def append(self, block: State, ksum: Tensor, length: int, pos: int) -> None:
-        """Cache one more segment: block tensors ``(B, ...)``, its key sum ``(B, H, K)``."""
-        n = self.num_cached
-        if torch.is_grad_enabled() and any(t.requires_grad for t in block.values()):
-            # training: autograd saved views of the stack, so never write into it in place
-            self.cached = {k: torch.cat([self.cached[k], t[:, None]], 1) for k, t in block.items()}
-            self.cached_ksum = torch.cat([self.cached_ksum, ksum[:, None]], 1)
-            self._stack = None
-            self.cached_len.append(length)
-            self.cached_pos.append(pos)
-            return
-        st = self._stack
-        if st is None or st.filled != n or n == st.capacity or (
-                n and st.ksum.data_ptr() != self.cached_ksum.data_ptr()):
-            st = _Stack(self.cached, self.cached_ksum, max(8, 2 * (n + 1)))
-        for k, t in block.items():
-            st.t[k][:, n] = t
-        st.ksum[:, n] = ksum
-        st.filled = n + 1
-        self._stack = st
-        self.cached = {k: t[:, :n + 1] for k, t in st.t.items()}
-        self.cached_ksum = st.ksum[:, :n + 1]
-        self.cached_len.append(length)
-        self.cached_pos.append(pos)
-
-    def truncate(self, n: int) -> None:
-        """Keep the first n cached segments (loglinear merges)."""
-        self.cached = {k: t[:, :n] for k, t in self.cached.items()}
-        self.cached_ksum = self.cached_ksum[:, :n]
-        del self.cached_len[n:], self.cached_pos[n:]
-
-    @property
-    def num_cached(self) -> int:
-        return self.cached_ksum.shape[1]
-
-    def map_tensors(self, fn) -> MCLayerState:
-        """Apply ``fn`` to every tensor (e.g. select batch rows, move device)."""
-        return replace(
-            self, mem={k: fn(t) for k, t in self.mem.items()}, seg_ksum=fn(self.seg_ksum),
-            cached={k: fn(t) for k, t in self.cached.items()}, cached_ksum=fn(self.cached_ksum),
-            cached_len=list(self.cached_len), cached_pos=list(self.cached_pos), _stack=None,
-            record=None,
-        )
-
-
-@dataclass
-class PagedLayer:
-    """One layer's view of a ragged decode batch whose cached blocks live in a shared pool.
-
-    Every row is a different sequence at its own position; row b owns the blocks
-    ``table[b, :n]`` (padded with -1). Invariant between steps: ``seg_len < segment_len``
-    (the runner pushes a completed segment into a pool block right after the token that ends it).
-    """
-
-    mem: State  # online memory, (B, ...)
-    conv: Tensor | None  # (B, conv_size - 1, C) short-conv tail
-    seg_ksum: Tensor  # (B, H, K)
-    seg_len: Tensor  # (B,) long
-    n_seg: Tensor  # (B,) long, cached segments so far
-    csum: State | None  # collapsed variants: Σ of cached readout states, (B, ...)
-    table: Tensor  # (B, N) long block ids, -1 = no block
-    pool: State  # readout key -> (num_blocks, H, ...) this layer's slice of the block pool
-    ksum_pool: Tensor  # (num_blocks, H, K) key sums of the blocks
-    # fetch(ids, head_dim): maps block ids that name host-tier blocks to device rows (fetching
-    # head h of a block for the entries of head h along head_dim); None when every block in
-    # ``table`` is on the device
-    fetch: Callable[[Tensor, int], Tensor] | None = None
-    top_k: Tensor | None = None  # (B,) per-row ssc top_k overrides; None = MCConfig.top_k
-    # (smallest, largest) of ``top_k`` as host ints, from whoever built it: the pick count is a
-    # shape, and reading it back from the tensor would stall a GPU step; None: read it back
-    top_k_range: tuple[int, int] | None = None
-    # ``mem`` may be updated in place (it is a view of the engine's slot pool, or scratch)
-    inplace: bool = False
-    # the host tier's rows of ``pool`` (ids from ``host_base`` on), for kernels that read host
-    # blocks in place instead of through ``fetch`` (the fused CPU block: both tiers are RAM)
-    host_pool: State | None = None
-    host_base: int = 0
-    # set: ``mem``, ``conv``, ``seg_ksum`` and ``csum`` are the whole slot pools and row b's
-    # entries are at ``rows[b]`` (the static decode step, no gather into a batch); the fused
-    # decode kernel reads and updates them there, every other path works on ``gathered()``
-    rows: Tensor | None = None
-
-    @contextmanager
-    def gathered(self) -> Iterator[PagedLayer]:
-        """A batch-shaped copy of a row-indexed layer (``rows`` set): its states gathered from
-        the pools, and written back into them when the block exits. The layer itself when
-        ``rows`` is None."""
-        if self.rows is None:
-            yield self
-            return
-        rows = self.rows
-        g = replace(self, mem={k: t[rows] for k, t in self.mem.items()},
-                    conv=None if self.conv is None else self.conv[rows],
-                    seg_ksum=self.seg_ksum[rows],
-                    csum=None if self.csum is None else {k: t[rows] for k, t in self.csum.items()},
-                    rows=None)
-        yield g
-        for k, t in g.mem.items():
-            self.mem[k].index_copy_(0, rows, t)
-        if self.conv is not None:
-            self.conv.index_copy_(0, rows, g.conv)
-        self.seg_ksum.index_copy_(0, rows, g.seg_ksum)
-        if self.csum is not None:
-            for k, t in g.csum.items():
-                self.csum[k].index_copy_(0, rows, t)
-
-
-class MCMemory:
+class MCMemory(LogLinearMixin):
     """One memory family wrapped with one MC configuration."""
 
     def __init__(self, family: MemoryFamily, cfg: MCConfig):
@@ -607,146 +389,6 @@ class MCMemory:
             B, H, K = st.seg_ksum.shape
             st.mem = self.family.init_state(B, H, K, st.v_dim, dtype=st.seg_ksum.dtype,
                                             device=st.seg_ksum.device, init=init)
-
-    def _log_advance(self, st: MCLayerState) -> None:
-        """Re-segment for the next token (position pos + 1) under logarithmic segmentation.
-
-        The boundaries of n + 1 are a subset of those of n plus n itself, so the cached blocks
-        form a stack: push the state at n, pop the tail that is no longer a boundary and merge
-        those segments' key sums into the new online segment.
-        """
-        n = st.pos
-        if n == 0:
-            return
-        keep = set(log_boundaries(n + 1))
-        if n in keep:  # n even: the state at n becomes a checkpoint, nothing merges
-            st.append({key: st.mem[key] for key in self.family.readout_keys}, st.seg_ksum,
-                      st.seg_len, n)
-            st.seg_ksum = torch.zeros_like(st.seg_ksum)
-            st.seg_len = 0
-            return
-        n_keep = sum(1 for p in st.cached_pos if p in keep)  # kept ones are a prefix of the stack
-        st.seg_ksum = st.seg_ksum + st.cached_ksum[:, n_keep:].sum(1)
-        st.seg_len += sum(st.cached_len[n_keep:])
-        st.truncate(n_keep)
-
-    # ------------------------------------------------------------------ loglinear, linear family
-    def forward_loglinear_linear(self, state: MCLayerState, q: Tensor, k: Tensor, v: Tensor,
-                                 u: Tensor, gates: dict[str, Tensor],
-                                 init: dict[str, Tensor] | None = None
-                                 ) -> tuple[Tensor, MCLayerState]:
-        """``forward`` for ``loglinear`` over ``LinearMemory`` without a per-token loop.
-
-        Same signature, result and returned state as the per-token loop (``loglinear_fast =
-        False``). Every cached S_b is a decayed sum of writes, so inside a chunk
-        y_t = Σ_j W(t, j)·(q_t·b_j k_j)·v_j + (carried memories read with their gates), with
-        W(t, j) = Σ_ℓ γ_ℓ(t)·exp(C[e_ℓ] − C[j])·[j ≤ e_ℓ] over the token's segments ℓ that end
-        at e_ℓ inside the chunk (C = cumulative log decay). Chunks are aligned to multiples of
-        ``_LOG_CHUNK`` positions; the state is brought to each chunk end exactly as the loop
-        leaves it (stack = the boundaries of that position).
-        """
-        del init  # the linear family starts from zero; checkpoint mode never restarts it
-        T = q.shape[1]
-        st = replace(state, cached_len=list(state.cached_len), cached_pos=list(state.cached_pos))
-        log_a, b = gates.get("log_a"), gates.get("b")
-        kb = k if b is None else k * b[..., None]  # (B, T, H, K) the write gate scales the key
-        sizes, t0 = [], 0
-        while t0 < T:
-            sizes.append(min(T - t0, _LOG_CHUNK - (st.pos + t0) % _LOG_CHUNK))
-            t0 += sizes[-1]
-        # split, not slice: a slice's backward writes a zero tensor of the whole span per chunk
-        parts = [x.split(sizes, dim=1) for x in (q, k, kb, v, u)]
-        las = log_a.split(sizes, dim=1) if log_a is not None else [None] * len(sizes)
-        ys = [self._log_chunk(st, *xs, la) for *xs, la in zip(*parts, las, strict=True)]
-        y = torch.cat(ys, dim=1) if ys else v.new_zeros(v.shape)
-        return y, st
-
-    def _log_chunk(self, st: MCLayerState, q: Tensor, k: Tensor, kb: Tensor, v: Tensor,
-                   u: Tensor, log_a: Tensor | None) -> Tensor:
-        """One chunk of ``forward_loglinear_linear``: updates ``st`` and returns y (B, L, H, V).
-
-        ``kb`` is k times the write gate; ``log_a`` ``(B, L, H)`` or None (no decay).
-        """
-        B, L, H, K = q.shape
-        p0, N = st.pos, st.num_cached
-        cp = [0] + st.cached_pos + ([p0] if p0 else [])  # carried positions (see _LogIndex)
-        if st.cached_pos != log_boundaries(p0) or (p0 and st.seg_len != p0 - cp[-2]):
-            raise ValueError("state is not a loglinear state at its position")
-        m = len(cp) - 1
-        ix = _log_index(p0, L, q.device)
-
-        def take(x: Tensor, idx: Tensor) -> Tensor:  # x (B, H, L, n) gathered per token by idx
-            return x.gather(-1, idx.expand(B, H, *idx.shape))
-
-        # ---- gates γ over each token's segments (levels = bits of its position)
-        # key sum of the carried segment (cp[r-1], cp[r]] at r - 1: the stack's, then online
-        cks = torch.cat([st.cached_ksum, st.seg_ksum[:, None]], 1) if p0 else st.cached_ksum
-        zero = st.seg_ksum[:, None].new_zeros(B, 1, H, K)
-        # G(slot): key sum of a segment = G(end) − G(start) when it ends in the chunk; carried
-        # starts hold minus the carried sums after them, so no long prefix sums cancel
-        G = torch.cat([-cks.flip(1).cumsum(1).flip(1), zero, k.cumsum(1)], 1)  # (B, m+1+L, H, K)
-        uG = torch.einsum("bthk,bshk->bhts", u, G)  # (B, H, L, m+1+L)
-        uC = torch.einsum("bthk,brhk->bhtr", u, torch.cat([zero, cks], 1))  # (B, H, L, m+1)
-        r = torch.where(ix.in_chunk, take(uG, ix.slot_e) - take(uG, ix.slot_s),
-                        take(uC, ix.w_slot))  # (B, H, L, nbits) ⟨u_t, segment key sum⟩
-        r = r / (ix.length.to(q.dtype) * math.sqrt(K))
-        gamma = torch.softmax(r.masked_fill(~ix.is_set, float("-inf")), dim=-1)
-
-        # ---- C: log decay from p0 to each chunk offset, (B, H, L+1) with C[..., 0] = 0
-        if log_a is None:
-            Cc = q.new_zeros(B, H, L + 1)
-        else:
-            Cc = torch.nn.functional.pad(log_a.cumsum(1).transpose(1, 2), (1, 0))
-        Ce = take(Cc[:, :, None, :].expand(B, H, L, L + 1), ix.ce)  # (B, H, L, nbits) C[e_ℓ]
-        # A(t, i) = Σ_{i' ≤ i} γ_i'·exp(C[e_i'] − C[e_i]): the weight of a key in level i's
-        # segment, referred to that segment's end (later segments hold it too, decayed)
-        diff = Ce[..., None, :] - Ce[..., :, None]  # (B, H, L, i, i')
-        A = (diff.masked_fill(~ix.lev_mask, float("-inf")).exp() * gamma[..., None, :]).sum(-1)
-        C_e = take(Cc[:, :, None, :].expand(B, H, L, L + 1), ix.ce_tj)  # (B, H, L, L) C[e(t,j)]
-        W = (C_e - Cc[:, :, None, 1:]).masked_fill(~ix.causal, float("-inf")).exp()
-        W = W * take(A, ix.lev_tj)  # (B, H, L, L)
-        att = torch.einsum("bthk,bjhk->bhtj", q, kb) * W
-        y = torch.einsum("bhtj,bjhv->bthv", att, v)  # (B, L, H, V)
-
-        # ---- carried memories: segments ending ≤ p0 read the stack / S_p0 with their γ;
-        # segments ending in the chunk read S_p0 decayed to their end (the writes before p0)
-        contrib = gamma * Ce.exp()  # Ce = 0 on carried levels
-        w = q.new_zeros(B, H, L, m + 1).scatter_add(-1, ix.w_slot.expand(B, H, L, -1), contrib)
-        S0 = st.mem["S"]  # (B, H, K, V) state at p0
-        y = y + torch.einsum("bthk,bhkv->bthv", q, S0) * w[..., m].transpose(1, 2)[..., None]
-        if N:
-            y = y + self.family.readout_mix(st.cached, q, w[..., 1:N + 1].permute(0, 2, 3, 1))
-
-        # ---- state at the chunk end: keep the boundaries of pe that are ≤ p0, add the new ones
-        pe = p0 + L
-        bnd = log_boundaries(pe)
-        new = [x for x in bnd if x > p0]
-        n_keep = sum(1 for x in st.cached_pos if x <= p0 and x in bnd)  # a prefix of the stack
-
-        def ksum(s: int, e: int) -> Tensor:  # key sum of (s, e], e > p0, (B, H, K)
-            if s > p0:
-                return k[:, s - p0:e - p0].sum(1)
-            return cks[:, cp.index(s):].sum(1) + k[:, :e - p0].sum(1)
-
-        seg_ksum, seg_len = st.seg_ksum, st.seg_len
-        st.truncate(n_keep)
-        if p0 in bnd:  # the state at p0 becomes a checkpoint
-            st.append({"S": S0}, seg_ksum, seg_len, p0)
-        S, a, prev = S0, 0, max((x for x in bnd if x <= p0), default=0)
-        for x in new + [pe]:  # the states nest: one decayed chunk sum per step
-            e = x - p0
-            dec = (Cc[..., e:e + 1] - Cc[..., a + 1:e + 1]).exp().transpose(1, 2)  # (B, l, H)
-            S = S * (Cc[..., e] - Cc[..., a]).exp()[..., None, None] + torch.einsum(
-                "bjhk,bjhv->bhkv", kb[:, a:e] * dec[..., None], v[:, a:e])
-            if x < pe:
-                st.append({"S": S}, ksum(prev, x), x - prev, x)
-                prev = x
-            a = e
-        st.mem = {"S": S}
-        st.seg_ksum = ksum(prev, pe)
-        st.seg_len = pe - prev
-        st.pos = pe
-        return y
 
     # ------------------------------------------------------------------ one piece
     def _piece(self, st: MCLayerState, q: Tensor, k: Tensor, v: Tensor, u: Tensor,

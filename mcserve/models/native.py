@@ -27,7 +27,8 @@ from mcserve.models.importing import ConvInput, causal_conv
 from mcserve.models.layers import RMSNorm, SwiGLU
 from mcserve.models.lowp_linear import LowpWeight, lowp_of
 from mcserve.models.lowp_linear import stack as stack_lowp
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.linear import LinearMemory, SWLAMemory
 from mcserve.models.packed_linear import is_packed
 from mcserve.models.state import LayerState

@@ -70,7 +70,8 @@ from mcserve.models.importing import (
 from mcserve.models.importing import up as _up
 from mcserve.models.layers import GatedMLP, GatedRMSNorm
 from mcserve.models.mamba2 import ConvSSMMixer
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.delta import GatedDeltaMemory
 from mcserve.models.state import LayerState
 

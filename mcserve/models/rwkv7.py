@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from mcserve.config import validate_mc
 from mcserve.models.base import RecurrentLM
 from mcserve.models.importing import ImportedConfig, RebuildsUnderMC, check_positive_ints
-from mcserve.models.mc import MCMemory, PagedLayer
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.rwkv7 import RWKV7Memory
 from mcserve.models.state import LayerState, ModelState
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from mcserve.models.mc import MCLayerState
+from mcserve.models.mc_state import MCLayerState
 
 
 @dataclass

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from mcserve.kernels import dispatch
 from mcserve.models.importing import ConvInput
-from mcserve.models.mc import MCLayerState, MCMemory
+from mcserve.models.mc import MCMemory
+from mcserve.models.mc_state import MCLayerState
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.state import LayerState
 
