@@ -61,12 +61,14 @@ def quantized(N: int, K: int, seed: int):
 
 
 def test_pack_pairs_round_trip():
+    g = torch.Generator().manual_seed(3)
     for N, K in ((1, 1), (16, 2), (17, 3), (75, 77)):
-        w = torch.randn(N, K)
+        w = torch.randn(N, K, generator=g)
         p = twins.pack_pairs(w)
         assert p.shape == (-(-N // 16), -(-K // 2), 16, 2)
         assert torch.equal(twins.unpack_pairs(p, N, K), w)
-        assert p.sum() == w.sum() or torch.allclose(p.sum(), w.sum())  # zeros elsewhere
+        # every weight once, zeros elsewhere (exact: a float sum would depend on its order)
+        assert torch.count_nonzero(p) == torch.count_nonzero(w) == N * K
         assert p[0, 0, 0, 0] == w[0, 0]
 
 
