@@ -231,6 +231,33 @@ def test_chunk_bf16_readout_matches_naive_twin(monkeypatch, variant):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("n_carried, tile", [(0, 3), (0, 16), (5, 7)])
+def test_readout_dense_matches_unfused_twin(monkeypatch, dtype, n_carried, tile):
+    """The CPU's tiled dense readout (scores, softmax and weighted readout per tile of tokens)
+    against its twin that builds the whole span's scores and weights: fresh random inputs,
+    several heads, odd widths, tiles that see no checkpoint (tile < segment), partial tiles and
+    blocks, checkpoints in two parts; every output row written (no NaN from the uninitialised
+    result)."""
+    monkeypatch.setattr(mc_chunk, "_TOKEN_TILE", tile)
+    monkeypatch.setattr(mc_chunk, "_X_BLOCK", 3)
+    gen = torch.Generator().manual_seed(17 + n_carried + tile)
+    B, H, K, V, C, G = 2, 3, 8, 5, 4, 13
+    L, N = G * C, n_carried + G - 1
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    S = (r(B, n_carried, H, K, V), r(B, G - 1, H, K, V))
+    q, u, ksum = r(B, L, H, K), r(B, L, H, K), r(B, N, H, K) * 4
+    r_on, o = r(B, L, H) * 3, r(B, L, H, V)
+    got = mc_chunk._readout_dense(S, q, u, ksum, r_on, o, n_carried, C, dtype)
+    want = mc_chunk._readout_dense_unfused(S, q, u, ksum, r_on, o, n_carried, C, dtype)
+    assert got.shape == want.shape == (B, L, H, V)
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype is None else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if n_carried == 0:  # the first segment's tokens see no checkpoint: the online term alone
+        torch.testing.assert_close(got[:, :C], o[:, :C])
+
+
 @pytest.mark.parametrize("mode", ["checkpoint", "independent"])
 def test_chunk_gradients_match_naive_twin(mode):
     """Training backpropagates through the one-pass chunk (grm, carried checkpoints, a span

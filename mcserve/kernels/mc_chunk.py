@@ -216,6 +216,124 @@ def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
     return y.view(B, L, H, V)
 
 
+def _scores(u: Tensor, ksum: Tensor, n_carried: int, segment_len: int) -> Tensor:
+    """r[b, t, h, n] = u_t·ksum_n / (C·√K) for the checkpoints token t sees (n < n_carried +
+    t // C), -inf for the rest: u ``(B, L, H, K)`` over the padded, segment-aligned span, ksum
+    ``(B, N, H, K)``. Checkpoints last: the selection and softmax dim."""
+    L, K, N = u.shape[1], u.shape[-1], ksum.shape[1]
+    r = torch.einsum("blhk,bnhk->blhn", u, ksum) / (segment_len * math.sqrt(K))
+    seg = torch.arange(L, device=u.device) // segment_len
+    hidden = torch.arange(N, device=u.device)[None, :] >= (n_carried + seg)[:, None]  # (L, N)
+    return r.masked_fill(hidden[None, :, None, :], float("-inf"))
+
+
+def _weighted_readout(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int,
+                      dtype: torch.dtype | None) -> Tensor:
+    """Σ_n w[:, t, :, n] S_nᵀ q_t (``_readout_blocks``' contract) on the device's form: the fused
+    Triton readout where it runs and nothing needs a backward, ``_readout_blocks`` elsewhere."""
+    if dispatch.get_backend(q) == "triton" and not (torch.is_grad_enabled() and (
+            q.requires_grad or S.requires_grad or w.requires_grad)):  # fused, no backward
+        # one pass, no (tokens, checkpoints, V) temporaries
+        from mcserve.kernels.triton.readout import mc_chunk_readout
+
+        return mc_chunk_readout(S, q, w, n_carried, segment_len)
+    return _readout_blocks(S, q, w, n_carried, segment_len, dtype)
+
+
+def _readout_dense_unfused(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
+                           r_on: Tensor, o: Tensor, n_carried: int, segment_len: int,
+                           dtype: torch.dtype | None = None) -> Tensor:
+    """Every token's MC output over all the checkpoints it sees: y_t = γ_on·o_t + Σ_n γ_n S_nᵀ
+    q_t, γ = softmax over [r_t,n (``_scores``), r_on_t]. S the checkpoint states ``(B, N_i, H, K,
+    V)`` in parts, concatenated along dim 1 in order; ksum their key sums ``(B, N, H, K)``; q, u
+    ``(B, L, H, K)``, r_on ``(B, L, H)`` and o (the online term) ``(B, L, H, V)`` over the padded,
+    segment-aligned span; ``dtype`` as in ``_readout_blocks``. The scores and weights of the
+    whole span as tensors, then one weighted readout (GPUs, training; the twin of
+    ``_readout_dense``)."""
+    r_c = _scores(u, ksum, n_carried, segment_len)
+    gamma = torch.softmax(torch.cat([r_c, r_on[..., None]], -1), -1)
+    y = o * gamma[..., -1:]
+    return y + _weighted_readout(torch.cat(S, 1), q, gamma[..., :-1], n_carried, segment_len,
+                                 dtype)
+
+
+def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_on: Tensor,
+                   o: Tensor, n_carried: int, segment_len: int,
+                   dtype: torch.dtype | None = None) -> Tensor:
+    """``_readout_dense_unfused`` tile by tile on the CPU: for each tile of tokens the scores
+    against the checkpoints the tile sees, their softmax with the online score and the weighted
+    readout (``_readout_blocks``' X = [w_n·q_t]_n GEMMs), so no ``(L, H, N)`` score or weight
+    tensor is ever whole (at 8K tokens and 128 checkpoints each is 16 MiB per head, and the
+    unfused form passes over five of them). The checkpoints are laid out head-major once,
+    straight from their parts (rounded to ``dtype`` on the way)."""
+    B, L, H, K = q.shape
+    V = S[0].shape[-1]
+    N = sum(s.shape[1] for s in S)
+    low = dtype is not None and dtype != q.dtype
+    BH = B * H
+    Sx = torch.empty((B, H, N, K, V), dtype=dtype if low else q.dtype, device=q.device)
+    n = 0
+    for part in S:
+        Sx[:, :, n:n + part.shape[1]].copy_(part.permute(0, 2, 1, 3, 4))
+        n += part.shape[1]
+    Sx = Sx.view(BH, N * K, V)
+    heads = lambda x: x.permute(0, 2, 1, 3).reshape(BH, x.shape[1], x.shape[3])  # noqa: E731
+    qh, oh = heads(q), heads(o)  # (BH, L, K), (BH, L, V)
+    uh = heads(u)
+    kh = heads(ksum).mul_(1.0 / (segment_len * math.sqrt(K)))  # (BH, N, K), the scale folded in
+    ron = r_on.permute(0, 2, 1).reshape(BH, L)
+    out = torch.empty(BH, L, V, dtype=q.dtype, device=q.device)
+    tile, block = _TOKEN_TILE, _X_BLOCK
+    buf = torch.empty(BH * min(L, tile) * min(N, block) * K, dtype=Sx.dtype, device=q.device)
+    pos = torch.arange(L, device=q.device) // segment_len + n_carried  # checkpoints t sees
+    cols = torch.arange(N, device=q.device)
+    for t0 in range(0, L, tile):
+        t1 = min(L, t0 + tile)
+        T = t1 - t0
+        n_vis = min(N, n_carried + (t1 - 1) // segment_len)
+        o_t = out[:, t0:t1]
+        if n_vis == 0:  # the tile sees no checkpoint: the online term alone
+            o_t.copy_(oh[:, t0:t1])
+            continue
+        w = torch.bmm(uh[:, t0:t1], kh[:, :n_vis].transpose(1, 2))  # (BH, T, n_vis) scores
+        w.masked_fill_(cols[None, :n_vis] >= pos[t0:t1, None], float("-inf"))
+        r1 = ron[:, t0:t1]
+        m = torch.maximum(w.amax(-1), r1)  # finite: the online score always counts
+        w.sub_(m[..., None]).exp_()
+        e_on = (r1 - m).exp_()
+        inv = (w.sum(-1) + e_on).reciprocal_()
+        w.mul_(inv[..., None])
+        torch.mul(oh[:, t0:t1], (e_on * inv)[..., None], out=o_t)
+        for n0 in range(0, n_vis, block):
+            n1 = min(n_vis, n0 + block)
+            X = buf[:BH * T * (n1 - n0) * K].view(BH, T, n1 - n0, K)
+            if low:
+                cpu_ops.outer_bf16_(X, w[:, :, n0:n1], qh[:, t0:t1])
+                o_t.add_(torch.bmm(X.view(BH, T, -1), Sx[:, n0 * K:n1 * K]))
+            else:
+                torch.mul(w[:, :, n0:n1, None], qh[:, t0:t1, None, :], out=X)
+                o_t.baddbmm_(X.view(BH, T, -1), Sx[:, n0 * K:n1 * K])
+    return out.view(B, H, L, V).transpose(1, 2)
+
+
+def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_on: Tensor,
+                      o: Tensor, n_carried: int, segment_len: int, top_k: int,
+                      dtype: torch.dtype | None = None) -> Tensor:
+    """``_readout_dense_unfused`` over each token's ``top_k`` best-scoring checkpoints only
+    (``ssc``; ties to the later one): the picks read in place once there are ``SPARSE_FACTOR``
+    times more checkpoints than picks, else a dense readout with zero weights elsewhere."""
+    r_c = _scores(u, ksum, n_carried, segment_len)
+    idx = _select(r_c, top_k)  # (B, L, H, top_k)
+    gamma = torch.softmax(torch.cat([r_c.gather(-1, idx), r_on[..., None]], -1), -1)
+    y = o * gamma[..., -1:]
+    Sc = torch.cat(S, 1)
+    if r_c.shape[-1] >= SPARSE_FACTOR * top_k and not (torch.is_grad_enabled()
+                                                        and q.requires_grad):
+        return y + _readout_picks(Sc.contiguous(), q, idx, gamma[..., :-1])
+    w_c = torch.zeros_like(r_c).scatter(-1, idx, gamma[..., :-1])
+    return y + _weighted_readout(Sc, q, w_c, n_carried, segment_len, dtype)
+
+
 def _online_torch(qf: Tensor, kf: Tensor, vf: Tensor, laf: Tensor | None, bf: Tensor | None,
                   initial_state: Tensor, mc: MCConfig) -> tuple[Tensor, Tensor]:
     """Online readout of every token and the state at the end of every segment, for the
@@ -303,42 +421,25 @@ def mc_linear_chunk(
         count = torch.arange(1, C + 1, device=q.device, dtype=q.dtype)  # (C,)
         r_on = (uf * kc).sum(-1) / (count[:, None] * math.sqrt(K))  # (B, G, C, H)
         N0 = cached.shape[1]
+        N = N0 + G - 1
         # checkpoints a token can read: the carried N0, then the span's completed segments
         ck = torch.cat([cached_ksum, seg_ksum[:, :G - 1]], 1)  # (B, N, H, K)
-        Sc = torch.cat([cached, S_end[:, :G - 1]], 1)  # (B, N, H, K, V)
-        N = N0 + G - 1
-        r_c = torch.einsum("bgchk,bnhk->bgchn", uf, ck) / (C * math.sqrt(K))  # (B, G, C, H, N)
-        seg = torch.arange(G, device=q.device)
-        visible = torch.arange(N, device=q.device)[None, :] < (N0 + seg)[:, None]  # (G, N)
-        r_c = r_c.masked_fill(~visible[None, :, None, None, :], float("-inf"))
-        r_c = r_c.reshape(B, G * C, H, N)  # checkpoints last: the selection and softmax dim
-        r_on = r_on.reshape(B, G * C, H)
-        picks = None
+        pieces = (cached, S_end[:, :G - 1])  # their states (B, N, H, K, V), in two parts
+        L = G * C
+        qr, ur = qf.reshape(B, L, H, K), uf.reshape(B, L, H, K)
+        r_on = r_on.reshape(B, L, H)
+        o = o.reshape(B, L, H, V)
         if mc.selects and N > top_k:
-            idx = _select(r_c, top_k)  # (B, L, H, top_k)
-            gamma = torch.softmax(torch.cat([r_c.gather(-1, idx), r_on[..., None]], -1), -1)
-            if N >= SPARSE_FACTOR * top_k and not (torch.is_grad_enabled() and q.requires_grad):
-                picks = (idx, gamma[..., :-1])
-                w_c = None
-            else:
-                w_c = torch.zeros_like(r_c).scatter(-1, idx, gamma[..., :-1])
-        else:
-            gamma = torch.softmax(torch.cat([r_c, r_on[..., None]], -1), -1)
-            w_c = gamma[..., :-1]
-        w_on = gamma[..., -1]  # (B, L, H)
-        y = o.reshape(B, G * C, H, V) * w_on[..., None]
-        if picks is not None:
-            y = y + _readout_picks(Sc.contiguous(), qf.reshape(B, G * C, H, K), *picks)
+            y = _selected_readout(pieces, qr, ur, ck, r_on, o, N0, C, top_k, readout_dtype)
         elif N:
-            qr = qf.reshape(B, G * C, H, K)
-            if backend == "triton" and not (torch.is_grad_enabled() and (
-                    q.requires_grad or cached.requires_grad)):  # fused, no backward
-                # one pass, no (tokens, checkpoints, V) temporaries
-                from mcserve.kernels.triton.readout import mc_chunk_readout
-
-                y = y + mc_chunk_readout(Sc, qr, w_c, N0, C)
-            else:
-                y = y + _readout_blocks(Sc, qr, w_c, N0, C, readout_dtype)
+            grad = torch.is_grad_enabled() and any(
+                x is not None and x.requires_grad
+                for x in (q, k, v, u, log_a, b, initial_state, initial_ksum, cached, cached_ksum))
+            fused = backend != "triton" and not _big_tiles(q) and not grad
+            dense = _readout_dense if fused else _readout_dense_unfused
+            y = dense(pieces, qr, ur, ck, r_on, o, N0, C, readout_dtype)
+        else:  # nothing cached yet: the online term alone (its softmax weight is 1)
+            y = o
     y = y.reshape(B, G * C, H, V)[:, f0:f0 + T]
     # a partial last segment's padding wrote nothing and did not decay: S_end[:, -1] is exact
     return y, S_end[:, -1], S_end[:, :n_b], seg_ksum[:, :n_b]
