@@ -1,21 +1,28 @@
-"""Pieces every ``mcserve`` sub-command shares: the one-line error, argparse value types and the
-``--device`` check.
+"""Pieces every ``mcserve`` sub-command shares: the one-line error, argparse value types (the
+``--delta-scale`` value among them) and the ``--device`` check.
 
-This module imports nothing from mcserve's subpackages (and torch only inside
-:func:`check_device`), so ``mcserve.cli``, ``mcserve.eval.cli`` and ``mcserve.server.cli_serve``
-can all import it without importing one another.
+This module imports nothing from mcserve's subpackages, only the ground module
+``mcserve.config`` (and torch only inside :func:`check_device`), so ``mcserve.cli``,
+``mcserve.eval.cli`` and ``mcserve.server.cli_serve`` can all import it without importing one
+another.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from mcserve.config import normalize_delta_scale
 
 __all__ = [
     "EXIT_USAGE",
     "CLIError",
     "check_device",
+    "delta_scale_arg",
     "first_line",
     "non_negative_float",
+    "parse_delta_scale",
     "positive_int",
 ]
 
@@ -53,6 +60,45 @@ def non_negative_float(text: str) -> float:
     if not val >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return val
+
+
+def parse_delta_scale(text: str) -> float | tuple[float, ...]:
+    """A ``--delta-scale`` value: ``1.5`` (every layer), ``1.2,1,0.8`` (one per layer), or the
+    path of a JSON file holding a number, a list, or an object with a ``delta_scale`` field (as
+    ``mcserve eval calibrate-delta`` writes). A bad value is a ValueError naming
+    ``delta_scale`` (the values are checked by ``mcserve.config.normalize_delta_scale``)."""
+    text = text.strip()
+    path = Path(text)
+    if text.lower().endswith(".json") or path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"delta_scale file {text}: {e}") from None
+        if isinstance(data, dict):
+            if "delta_scale" not in data:
+                raise ValueError(f"delta_scale file {text}: no 'delta_scale' field")
+            data = data["delta_scale"]
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        normalize_delta_scale(data, len(data) if isinstance(data, list) and data else 1)
+        return tuple(float(x) for x in data) if isinstance(data, list) else float(data)
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"delta_scale must be a number, a comma-separated list of numbers or "
+                         f"a JSON file, got {text!r}") from None
+    if not vals:
+        raise ValueError("delta_scale is empty")
+    normalize_delta_scale(vals, len(vals))
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def delta_scale_arg(text: str) -> float | tuple[float, ...]:
+    """argparse type: :func:`parse_delta_scale`, its ValueError as the usage error."""
+    try:
+        return parse_delta_scale(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_device(device: str, flag: str = "--device") -> str:

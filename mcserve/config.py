@@ -1,4 +1,7 @@
-"""Frozen, validated configuration dataclasses passed everywhere (one place for settings)."""
+"""Frozen, validated configuration dataclasses passed everywhere (one place for settings), and
+the validators they share (``validate_mc``, ``normalize_delta_scale``).
+
+This module imports nothing from mcserve: every layer may import it."""
 
 from __future__ import annotations
 
@@ -43,6 +46,38 @@ def validate_mc(
             f"segment_len ({segment_len}) must be a multiple of inner_chunk ({inner_chunk})"
         )
 
+
+
+def _is_scale(v: Any) -> bool:
+    """One valid ``delta_scale`` value: a finite number > 0 (not a bool)."""
+    return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            and v > 0)
+
+
+def normalize_delta_scale(value: Any, n_layers: int) -> tuple[float, ...] | None:
+    """Mamba2's ``delta_scale`` (layer l runs with Δ' = s_l·Δ) as one positive float per layer,
+    or None for the model as trained.
+
+    Accepts None, a number (every layer), or a sequence of 1 or ``n_layers`` numbers; anything
+    else is a ValueError naming ``delta_scale``."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        vals = [value]
+    elif isinstance(value, (list, tuple)):
+        vals = list(value)
+    else:
+        raise ValueError(f"delta_scale must be a number or a list of numbers, got {value!r}")
+    if len(vals) == 1:
+        vals = vals * n_layers
+    if len(vals) != n_layers:
+        raise ValueError(f"delta_scale needs 1 or n_layers ({n_layers}) values, got {len(vals)}")
+    out = []
+    for v in vals:
+        if not _is_scale(v):
+            raise ValueError(f"delta_scale values must be finite numbers > 0, got {v!r}")
+        out.append(float(v))
+    return tuple(out)
 
 @dataclass(frozen=True)
 class MCConfig:
@@ -305,8 +340,7 @@ class EngineConfig:
         if self.delta_scale is not None:
             ds = self.delta_scale
             vals = list(ds) if isinstance(ds, (list, tuple)) else [ds]
-            if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float))
-                               or not math.isfinite(v) or v <= 0 for v in vals):
+            if not vals or not all(_is_scale(v) for v in vals):
                 raise ValueError(f"delta_scale must be a number > 0 or a non-empty list of "
                                  f"numbers > 0, got {ds!r}")
             if isinstance(ds, list):

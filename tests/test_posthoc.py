@@ -18,11 +18,12 @@ from transformers import Mamba2Config as HFConfig  # noqa: E402
 from transformers import Mamba2ForCausalLM as HFMamba2  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 
+from mcserve.cli_args import parse_delta_scale  # noqa: E402
 from mcserve.config import EngineConfig  # noqa: E402
 from mcserve.eval.calibrate import calibrate_delta  # noqa: E402
 from mcserve.eval.cli import add_eval_parser  # noqa: E402
 from mcserve.eval.common import Setting  # noqa: E402
-from mcserve.models.mamba2 import Mamba2Config, parse_delta_scale  # noqa: E402
+from mcserve.models.mamba2 import Mamba2Config  # noqa: E402
 from mcserve.models.registry import load_model  # noqa: E402
 
 VOCAB = 64

@@ -16,21 +16,13 @@ from mcserve.cli_args import (
     EXIT_USAGE,
     CLIError,
     check_device,
+    delta_scale_arg,
     first_line,
     positive_int,
 )
 
 DEFAULT_LENGTHS = "512,1024,2048,4096"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
-
-
-def _delta_scale_arg(text: str):
-    from mcserve.models.mamba2 import parse_delta_scale
-
-    try:
-        return parse_delta_scale(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -46,7 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR",
                    help="directory with tokenizer.json (default: MODEL's own tokenizer.json, "
                    "else UTF-8 bytes as token ids)")
-    p.add_argument("--delta-scale", type=_delta_scale_arg, metavar="S",
+    p.add_argument("--delta-scale", type=delta_scale_arg, metavar="S",
                    help="Mamba2 only: run every setting with delta' = s*delta: one number, one "
                    "per layer (comma-separated) or a JSON file (calibrate-delta's output) "
                    "(default: 1, the model as trained)")

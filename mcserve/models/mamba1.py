@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.config import validate_mc
+from mcserve.models.base import ConvSSMMixer, MambaBlock, MambaLM
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ImportedConfig,
@@ -50,7 +51,6 @@ from mcserve.models.importing import (
     require_keys,
     up,
 )
-from mcserve.models.mamba2 import ConvSSMMixer, MambaBlock, MambaLM
 from mcserve.models.mc import MCMemory
 from mcserve.models.memory.gla import VectorGatedMemory
 from mcserve.models.state import LayerState
@@ -176,7 +176,7 @@ class Mamba1Block(MambaBlock):
 
 class Mamba1MCForCausalLM(MambaLM):
     """Mamba (v1) language model with post-hoc Memory Caching (model_type ``mamba``); the
-    state-dict names are those of :class:`~mcserve.models.mamba2.MambaLM` (transformers')."""
+    state-dict names are those of :class:`~mcserve.models.base.MambaLM` (transformers')."""
 
     block_class = Mamba1Block
 

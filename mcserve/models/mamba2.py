@@ -24,7 +24,13 @@ shorter discretisation step. ``None`` (or all ones) is the model as trained.
 The model class exposes the interface of ``MCForCausalLM`` that the engine uses: ``.config``,
 ``init_state``, ``forward(ids, state)``, ``forward_paged(ids, layers)``, ``layers[i].mixer``
 (``.memory``, ``.init_memory()``, ``.init_state(batch, dtype, device)``), ``.dtype``,
-``.device`` and ``generate``.
+``.device`` and ``generate``. Its mixer, block and LM build on the Mamba family's bases in
+``base.py`` (``ConvSSMMixer``, ``MambaBlock``, ``MambaLM``).
+
+Loading (``load_mamba2``, called by ``mcserve.models.registry``): transformers' format
+(``model_type: mamba2``) or ``mamba_ssm``'s (``ssm_cfg`` with ``layer: Mamba2``;
+``backbone.embedding.weight``, vocabulary padded to ``pad_vocab_size_multiple``).
+``save_pretrained`` writes transformers' format.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,32 +47,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mcserve.config import validate_mc
+from mcserve.config import normalize_delta_scale, validate_mc
 from mcserve.kernels import cpu as cpu_ops
-from mcserve.models.base import RecurrentLM
+from mcserve.models.base import ConvSSMMixer, MambaBlock, MambaLM
+from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.importing import (
     ConvInput,
     ImportedConfig,
-    RebuildsUnderMC,
     causal_conv,
+    check_mamba_ssm_blocks,
     check_positive_ints,
+    config_getter,
+    first_token_id,
+    load_checked,
+    mc_settings,
+    padded_vocab,
+    require_keys,
 )
 from mcserve.models.importing import up as _up
-from mcserve.models.layers import GatedRMSNorm, RMSNormF32
+from mcserve.models.layers import GatedRMSNorm
 from mcserve.models.lowp_linear import lowp_of
 from mcserve.models.mc import MCMemory
 from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.linear import LinearMemory
 from mcserve.models.packed_linear import is_packed
 from mcserve.models.state import LayerState
-from mcserve.models.varlen import (
-    ParamsWatch,
-    conv_varlen,
-    mix_sequence,
-    mix_varlen,
-    params_key,
-    phase_runs,
-)
+from mcserve.models.varlen import ParamsWatch, params_key
 
 #: used for ``segment_len`` when the checkpoint records no training length
 DEFAULT_SEGMENT_LEN = 2048
@@ -155,141 +162,6 @@ class Mamba2Config(ImportedConfig):
         if "time_step_limit" in data:
             data["time_step_limit"] = tuple(float(x) for x in data["time_step_limit"])
         return data
-
-
-def normalize_delta_scale(value: Any, n_layers: int) -> tuple[float, ...] | None:
-    """``delta_scale`` as one positive float per layer, or None for the model as trained.
-
-    Accepts None, a number (every layer), or a sequence of 1 or ``n_layers`` numbers."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        vals = [value]
-    elif isinstance(value, (list, tuple)):
-        vals = list(value)
-    else:
-        raise ValueError(f"delta_scale must be a number or a list of numbers, got {value!r}")
-    if len(vals) == 1:
-        vals = vals * n_layers
-    if len(vals) != n_layers:
-        raise ValueError(f"delta_scale needs 1 or n_layers ({n_layers}) values, got {len(vals)}")
-    out = []
-    for v in vals:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or v <= 0:
-            raise ValueError(f"delta_scale values must be finite numbers > 0, got {v!r}")
-        out.append(float(v))
-    return tuple(out)
-
-
-def parse_delta_scale(text: str) -> float | tuple[float, ...]:
-    """A ``--delta-scale`` value: ``1.5`` (every layer), ``1.2,1,0.8`` (one per layer), or the
-    path of a JSON file holding a number, a list, or an object with a ``delta_scale`` field (as
-    ``mcserve eval calibrate-delta`` writes)."""
-    text = text.strip()
-    path = Path(text)
-    if text.lower().endswith(".json") or path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"delta_scale file {text}: {e}") from None
-        if isinstance(data, dict):
-            if "delta_scale" not in data:
-                raise ValueError(f"delta_scale file {text}: no 'delta_scale' field")
-            data = data["delta_scale"]
-        if isinstance(data, list) and len(data) == 1:
-            data = data[0]
-        normalize_delta_scale(data, len(data) if isinstance(data, list) and data else 1)
-        return tuple(float(x) for x in data) if isinstance(data, list) else float(data)
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"delta_scale must be a number, a comma-separated list of numbers or "
-                         f"a JSON file, got {text!r}") from None
-    if not vals:
-        raise ValueError("delta_scale is empty")
-    normalize_delta_scale(vals, len(vals))
-    return vals[0] if len(vals) == 1 else tuple(vals)
-
-
-class ConvSSMMixer(nn.Module):
-    """What Mamba2's and Mamba (v1)'s mixers share: the engine-facing ``forward`` (a sequence),
-    ``forward_varlen`` (packed sequences) and ``forward_paged`` (one token per row) around a
-    subclass's token-wise ``_pre_conv`` (in_proj: the conv's input and what the SSM takes
-    beside it), ``_conv`` (the short conv of one span from its tail, on ``conv1d``'s weights),
-    token-wise ``_post_conv`` (the SSM's inputs: z, xs, q, k, gates) and ``_output`` (D skip,
-    gate, out_proj). ``_values`` turns xs into the memory's values."""
-
-    def init_memory(self) -> None:
-        return None  # the memory families start from zero
-
-    def _values(self, xs: Tensor) -> Tensor:
-        return xs
-
-    def _project(self, x: Tensor, conv_tail: Tensor, inplace: bool = False,
-                 keep_conv_input: bool = False):
-        """x ``(B, T, D)`` → z, xs, q, k, gates (``_post_conv``) and the new conv tail.
-
-        ``inplace`` (decode): ``conv_tail`` is shifted in place (``kernels.cpu.conv_step_``).
-        ``keep_conv_input``: also return the conv's input ``(B, w - 1 + T, C)`` (for
-        ``fill_conv_tails``)."""
-        rest, xc = self._pre_conv(x)
-        xc, conv_tail, full = self._conv(xc, conv_tail, inplace)
-        out = self._post_conv(rest, xc)
-        return (*out, conv_tail, full) if keep_conv_input else (*out, conv_tail)
-
-    def _conv(self, xc: Tensor, conv_tail: Tensor, inplace: bool = False
-              ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Conv (``conv1d``) + bias + SiLU of one span of the conv's input ``(B, T, C)`` after
-        the tail ``(B, w - 1, C)`` → the output, the new tail and the conv's input
-        ``(B, w - 1 + T, C)`` (None when ``inplace`` and T = 1: the tail is shifted in place)."""
-        T = xc.shape[1]
-        w = self.conv1d.weight[:, 0]  # (C, w)
-        if T == 1 and inplace:  # decode: conv + bias + silu in one pass, the tail shifted in place
-            out = cpu_ops.conv_step_(conv_tail, xc[:, 0], w, self.conv1d.bias, True)[:, None]
-            return out, conv_tail, None
-        full = ConvInput(conv_tail.to(xc.dtype), xc)  # [tail; xc] (B, w-1+T, C)
-        out = self._taps(full, w)
-        if self.conv1d.bias is not None:
-            out += self.conv1d.bias
-        return F.silu(out, inplace=True), full.new_tail(), full
-
-    @staticmethod
-    def _taps(full: ConvInput, w: Tensor) -> Tensor:
-        """The depthwise causal conv of the span with ``w`` ``(C, w)``, as w shifted
-        multiply-adds (faster than grouped conv1d on CPU)."""
-        return causal_conv(full, w)
-
-    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        z, xs, q, k, gates, conv, full = self._project(x, state.conv, keep_conv_input=True)
-        y, state = mix_sequence(self.memory, state, q, k, self._values(xs), q, gates, None, conv,
-                                full, self.cfg.conv_size)
-        return self._output(z, xs, y), state
-
-    def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
-                       ) -> tuple[Tensor, list[LayerState]]:
-        """Sequences packed back to back, x ``(1, sum T, D)`` with lengths ``lens``, each from
-        its own batch-of-one state: in_proj, the short conv (``conv_varlen``), the SSM's inputs
-        and the output run once on the packed tokens, the memory per sequence on its slice
-        (``mix_varlen``: consecutive sequences at one phase with equal lengths as one batch,
-        ``phase_runs``; the plain linear memory on the kernel backend as one call). Returns
-        ``(1, sum T, D)`` and each sequence's new state; equals ``forward`` per sequence."""
-        runs = phase_runs(states, lens)
-        rest, xc = self._pre_conv(x)
-        xc, convs, fulls = conv_varlen(xc, states, lens, runs, self.conv1d.weight[:, 0],
-                                        self.conv1d.bias)
-        z, xs, q, k, gates = self._post_conv(rest, xc)
-        y, states = mix_varlen(self.memory, states, lens, runs, q, k, self._values(xs), q, gates,
-                               None, convs, fulls, self.cfg.conv_size)
-        return self._output(z, xs, y), states
-
-    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
-        """One token per row of a ragged batch (see ``PagedLayer``); updates ``pl``."""
-        if not pl.inplace:
-            pl.conv = pl.conv.clone()
-        z, xs, q, k, gates, pl.conv = self._project(x, pl.conv, inplace=True)
-        return self._output(z, xs, self.memory.decode_paged(pl, q, k, self._values(xs), q,
-                                                            gates))
 
 
 class Mamba2Mixer(ConvSSMMixer):
@@ -403,40 +275,6 @@ class Mamba2Mixer(ConvSSMMixer):
         return self.out_proj(y.to(self.out_proj.weight.dtype))
 
 
-class MambaBlock(nn.Module):
-    """Pre-norm residual block of Mamba2 and Mamba (v1): x + mixer(RMSNorm(x)), summed in
-    float32 at least with ``residual_in_fp32``. The mixer is ``mixer_class(cfg, layer_idx)``."""
-
-    mixer_class: type[ConvSSMMixer]
-
-    def __init__(self, cfg: Any, layer_idx: int):
-        super().__init__()
-        self.residual_in_fp32 = cfg.residual_in_fp32
-        self.norm = RMSNormF32(cfg.d_model, cfg.norm_eps)
-        self.mixer = self.mixer_class(cfg, layer_idx)
-
-    def _residual(self, x: Tensor, h: Tensor) -> Tensor:
-        if self.residual_in_fp32:
-            dt = torch.promote_types(x.dtype, torch.float32)
-            return x.to(dt) + h.to(dt)
-        return x + h.to(x.dtype)
-
-    def forward(self, x: Tensor, state: LayerState) -> tuple[Tensor, LayerState]:
-        h, state = self.mixer(self.norm(x.to(self.norm.weight.dtype)), state)
-        return self._residual(x, h), state
-
-    def forward_varlen(self, x: Tensor, states: list[LayerState], lens: list[int]
-                       ) -> tuple[Tensor, list[LayerState]]:
-        """Packed sequences ``(1, sum T, D)`` (see ``ConvSSMMixer.forward_varlen``)."""
-        h, states = self.mixer.forward_varlen(self.norm(x.to(self.norm.weight.dtype)), states,
-                                              lens)
-        return self._residual(x, h), states
-
-    def forward_paged(self, x: Tensor, pl: PagedLayer) -> Tensor:
-        return self._residual(x, self.mixer.forward_paged(
-            self.norm(x.to(self.norm.weight.dtype)), pl))
-
-
 def _fuses_rows(pl: PagedLayer) -> bool:
     """What the fused block needs of a step's state views: the SSM state and conv tail of
     contiguous float32 rows, written in place."""
@@ -522,32 +360,6 @@ class Mamba2Block(MambaBlock):
         return cached[1]
 
 
-class MambaLM(RebuildsUnderMC, RecurrentLM):
-    """The LM around ``block_class`` blocks shared by Mamba2 and Mamba (v1): embedding, the
-    blocks, a final RMSNorm and the LM head (tied to the embedding with ``tie_embeddings``).
-
-    State-dict names: ``embed.weight``, ``layers.{i}.norm.weight``, ``layers.{i}.mixer.*``
-    (as in transformers), ``norm_f.weight``, ``lm_head.weight``. Use
-    ``mcserve.models.registry.load_model`` to read a transformers or ``mamba_ssm`` directory.
-    """
-
-    block_class: type[MambaBlock]
-
-    def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(self.block_class(config, i)
-                                    for i in range(config.n_layers))
-        self.norm_f = RMSNormF32(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    def _head(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.norm_f(x.to(self.dtype)))
-
-
 class Mamba2MCForCausalLM(MambaLM):
     """Mamba2 language model with post-hoc Memory Caching (model_type ``mamba2``); see
     :class:`MambaLM` for the state-dict names."""
@@ -606,7 +418,8 @@ class Mamba2MCForCausalLM(MambaLM):
         return ParamsWatch(self, tuple(paths), tuple(attrs))
 
     def with_delta_scale(self, delta_scale: Any) -> Mamba2MCForCausalLM:
-        """The same weights with Δ' = s_l·Δ (``delta_scale``: see ``normalize_delta_scale``)."""
+        """The same weights with Δ' = s_l·Δ (``delta_scale``: see
+        ``mcserve.config.normalize_delta_scale``)."""
         return self.with_mc(delta_scale=delta_scale)
 
     # ------------------------------------------------------------------ export
@@ -653,3 +466,105 @@ class Mamba2MCForCausalLM(MambaLM):
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         return path
+
+
+# ---------------------------------------------------------------------------- loading
+def mamba2_config_from_hf(cfg: dict, file: Path) -> Mamba2Config:
+    """A ``Mamba2Config`` from a transformers ``Mamba2Config`` dict."""
+    get = config_getter(cfg, file)
+    d_model = get("hidden_size", required=True)
+    n_heads = get("num_heads", 128)
+    head_dim = get("head_dim", 64)
+    expand = get("expand", 2)
+    if isinstance(d_model, int) and abs(expand * d_model - n_heads * head_dim) > 1e-6:
+        raise CheckpointError(f"{file}: hidden_size * expand ({d_model} * {expand}) must equal "
+                              f"num_heads * head_dim ({n_heads} * {head_dim})")
+    act = get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
+    limit = get("time_step_limit", (0.0, math.inf)) or (0.0, math.inf)
+    eos = first_token_id(get("eos_token_id"))
+    try:
+        return Mamba2Config(
+            vocab_size=get("vocab_size", required=True), d_model=d_model,
+            n_layers=get("num_hidden_layers", required=True), n_heads=n_heads,
+            head_dim=head_dim, state_size=get("state_size", 128), n_groups=get("n_groups", 1),
+            conv_size=get("conv_kernel", 4), use_bias=bool(get("use_bias", False)),
+            use_conv_bias=bool(get("use_conv_bias", True)),
+            norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+            gated_norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+            time_step_limit=tuple(limit), residual_in_fp32=bool(get("residual_in_fp32", True)),
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
+            eos_token_id=eos, pad_token_id=get("pad_token_id"), **mc,
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: invalid Mamba2 config: {e}") from None
+
+
+def mamba2_config_from_ssm(cfg: dict, file: Path) -> Mamba2Config:
+    """A ``Mamba2Config`` from a ``mamba_ssm`` ``MambaConfig`` dict (``layer: Mamba2``)."""
+    require_keys(cfg, file, ("d_model", "n_layer", "vocab_size"))
+    ssm = dict(cfg.get("ssm_cfg") or {})
+    d_model = cfg["d_model"]
+    check_mamba_ssm_blocks(cfg, file)
+    expand = ssm.get("expand", 2)
+    d_inner = int(expand * d_model)
+    d_ssm = ssm.get("d_ssm") or d_inner
+    if d_ssm != d_inner:
+        raise CheckpointError(f"{file}: ssm_cfg.d_ssm={d_ssm} != expand * d_model={d_inner} "
+                              f"(a gated MLP inside the mixer) is not supported")
+    headdim = ssm.get("headdim", 64)
+    if d_ssm % headdim:
+        raise CheckpointError(f"{file}: d_ssm={d_ssm} is not a multiple of headdim={headdim}")
+    vocab, padded = padded_vocab(cfg)
+    limit = ssm.get("dt_limit", (0.0, math.inf))
+    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
+    try:
+        return Mamba2Config(
+            vocab_size=padded, d_model=d_model, n_layers=cfg["n_layer"],
+            n_heads=d_ssm // headdim, head_dim=headdim, state_size=ssm.get("d_state", 128),
+            n_groups=ssm.get("ngroups", 1), conv_size=ssm.get("d_conv", 4),
+            use_bias=bool(ssm.get("bias", False)), use_conv_bias=bool(ssm.get("conv_bias", True)),
+            norm_eps=float(cfg.get("norm_epsilon", 1e-5)), gated_norm_eps=1e-5,
+            rmsnorm=bool(ssm.get("rmsnorm", True)),
+            norm_before_gate=bool(ssm.get("norm_before_gate", False)),
+            d_has_hdim=bool(ssm.get("D_has_hdim", False)), time_step_limit=tuple(limit),
+            residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
+            tie_embeddings=bool(cfg.get("tie_embeddings", True)),
+            unpadded_vocab_size=vocab if padded != vocab else None,
+            max_position_embeddings=train_len, **mc,
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: invalid mamba_ssm Mamba2 config: {e}") from None
+
+
+def _mamba2_name(src: str) -> str:
+    """transformers / mamba_ssm tensor name → ``Mamba2MCForCausalLM`` name."""
+    name = src[len("backbone."):] if src.startswith("backbone.") else src
+    if name in ("embeddings.weight", "embedding.weight"):
+        return "embed.weight"
+    return name
+
+
+def load_mamba2(path: Path, cfg: dict, layout: str,
+                read_weights: Callable[[Path], tuple[dict[str, Tensor], dict[str, Path]]]
+                ) -> Mamba2MCForCausalLM:
+    """The model of a transformers (``layout="transformers"``) or ``mamba_ssm`` Mamba2
+    directory. ``read_weights(path)`` gives its tensors and the file each came from; it is
+    called once the config has converted, so a bad config.json is reported before any weights
+    are read."""
+    file = path / "config.json"
+    mcfg = (mamba2_config_from_ssm(cfg, file) if layout == "mamba_ssm"
+            else mamba2_config_from_hf(cfg, file))
+    stored, origin = read_weights(path)
+    emb = "embedding" if layout == "mamba_ssm" else "embeddings"
+
+    def source_name(ours: str) -> str:
+        if ours == "embed.weight":
+            return f"backbone.{emb}.weight"
+        return ours if ours == "lm_head.weight" else "backbone." + ours
+
+    return load_checked(Mamba2MCForCausalLM(mcfg), stored, origin, _mamba2_name, source_name,
+                        config_file=file, tied=mcfg.tie_embeddings, what="Mamba2")

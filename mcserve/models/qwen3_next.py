@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from mcserve.config import validate_mc
 from mcserve.models.attention import Attention, Rotary
+from mcserve.models.base import ConvSSMMixer
 from mcserve.models.checkpoint import CheckpointError
 from mcserve.models.hybrid import HybridBlock, HybridLM
 from mcserve.models.importing import (
@@ -69,7 +70,6 @@ from mcserve.models.importing import (
 )
 from mcserve.models.importing import up as _up
 from mcserve.models.layers import GatedMLP, GatedRMSNorm
-from mcserve.models.mamba2 import ConvSSMMixer
 from mcserve.models.mc import MCMemory
 from mcserve.models.mc_state import PagedLayer
 from mcserve.models.memory.delta import GatedDeltaMemory

@@ -28,7 +28,6 @@ file and, for tensors, the tensor and the shapes.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +38,7 @@ from torch import Tensor, nn
 
 from mcserve.config import MODES, VARIANTS, MCConfig, default_mode
 from mcserve.models.checkpoint import CheckpointError
-from mcserve.models.importing import (
-    MC_KEYS,
-    check_mamba_ssm_blocks,
-    config_getter,
-    first_token_id,
-    load_checked,
-    mc_settings,
-    padded_vocab,
-    require_keys,
-)
+from mcserve.models.importing import MC_KEYS
 
 __all__ = [
     "CheckpointError", "Importer", "apply_mc", "detect_format", "load_model", "read_config",
@@ -319,113 +309,10 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-# ---------------------------------------------------------------------------- Mamba2
-def mamba2_config_from_hf(cfg: dict, file: Path):
-    """A ``Mamba2Config`` from a transformers ``Mamba2Config`` dict."""
-    from mcserve.models.mamba2 import DEFAULT_SEGMENT_LEN, Mamba2Config
-
-    get = config_getter(cfg, file)
-    d_model = get("hidden_size", required=True)
-    n_heads = get("num_heads", 128)
-    head_dim = get("head_dim", 64)
-    expand = get("expand", 2)
-    if isinstance(d_model, int) and abs(expand * d_model - n_heads * head_dim) > 1e-6:
-        raise CheckpointError(f"{file}: hidden_size * expand ({d_model} * {expand}) must equal "
-                              f"num_heads * head_dim ({n_heads} * {head_dim})")
-    act = get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise CheckpointError(f"{file}: hidden_act {act!r} is not supported (only 'silu')")
-    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
-    limit = get("time_step_limit", (0.0, math.inf)) or (0.0, math.inf)
-    eos = first_token_id(get("eos_token_id"))
-    try:
-        return Mamba2Config(
-            vocab_size=get("vocab_size", required=True), d_model=d_model,
-            n_layers=get("num_hidden_layers", required=True), n_heads=n_heads,
-            head_dim=head_dim, state_size=get("state_size", 128), n_groups=get("n_groups", 1),
-            conv_size=get("conv_kernel", 4), use_bias=bool(get("use_bias", False)),
-            use_conv_bias=bool(get("use_conv_bias", True)),
-            norm_eps=float(get("layer_norm_epsilon", 1e-5)),
-            gated_norm_eps=float(get("layer_norm_epsilon", 1e-5)),
-            time_step_limit=tuple(limit), residual_in_fp32=bool(get("residual_in_fp32", True)),
-            tie_embeddings=bool(get("tie_word_embeddings", False)),
-            max_position_embeddings=train_len, bos_token_id=get("bos_token_id"),
-            eos_token_id=eos, pad_token_id=get("pad_token_id"), **mc,
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: invalid Mamba2 config: {e}") from None
-
-
-def mamba2_config_from_ssm(cfg: dict, file: Path):
-    """A ``Mamba2Config`` from a ``mamba_ssm`` ``MambaConfig`` dict (``layer: Mamba2``)."""
-    from mcserve.models.mamba2 import DEFAULT_SEGMENT_LEN, Mamba2Config
-
-    ssm = dict(cfg.get("ssm_cfg") or {})
-    d_model = cfg["d_model"]
-    check_mamba_ssm_blocks(cfg, file)
-    expand = ssm.get("expand", 2)
-    d_inner = int(expand * d_model)
-    d_ssm = ssm.get("d_ssm") or d_inner
-    if d_ssm != d_inner:
-        raise CheckpointError(f"{file}: ssm_cfg.d_ssm={d_ssm} != expand * d_model={d_inner} "
-                              f"(a gated MLP inside the mixer) is not supported")
-    headdim = ssm.get("headdim", 64)
-    if d_ssm % headdim:
-        raise CheckpointError(f"{file}: d_ssm={d_ssm} is not a multiple of headdim={headdim}")
-    vocab, padded = padded_vocab(cfg)
-    limit = ssm.get("dt_limit", (0.0, math.inf))
-    train_len, mc = mc_settings(cfg, DEFAULT_SEGMENT_LEN)
-    try:
-        return Mamba2Config(
-            vocab_size=padded, d_model=d_model, n_layers=cfg["n_layer"],
-            n_heads=d_ssm // headdim, head_dim=headdim, state_size=ssm.get("d_state", 128),
-            n_groups=ssm.get("ngroups", 1), conv_size=ssm.get("d_conv", 4),
-            use_bias=bool(ssm.get("bias", False)), use_conv_bias=bool(ssm.get("conv_bias", True)),
-            norm_eps=float(cfg.get("norm_epsilon", 1e-5)), gated_norm_eps=1e-5,
-            rmsnorm=bool(ssm.get("rmsnorm", True)),
-            norm_before_gate=bool(ssm.get("norm_before_gate", False)),
-            d_has_hdim=bool(ssm.get("D_has_hdim", False)), time_step_limit=tuple(limit),
-            residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
-            tie_embeddings=bool(cfg.get("tie_embeddings", True)),
-            unpadded_vocab_size=vocab if padded != vocab else None,
-            max_position_embeddings=train_len, **mc,
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: invalid mamba_ssm Mamba2 config: {e}") from None
-
-
-def _mamba2_name(src: str) -> str | None:
-    """transformers / mamba_ssm tensor name → ``Mamba2MCForCausalLM`` name (None: not ours)."""
-    name = src
-    if name.startswith("backbone."):
-        name = name[len("backbone."):]
-    if name in ("embeddings.weight", "embedding.weight"):
-        return "embed.weight"
-    return name
-
-
 def _load_mamba2(path: Path, cfg: dict, layout: str) -> nn.Module:
-    from mcserve.models.mamba2 import Mamba2MCForCausalLM
+    from mcserve.models.mamba2 import load_mamba2
 
-    file = path / "config.json"
-    if layout == "mamba_ssm":
-        require_keys(cfg, file, ("d_model", "n_layer", "vocab_size"))
-        mcfg = mamba2_config_from_ssm(cfg, file)
-    else:
-        mcfg = mamba2_config_from_hf(cfg, file)
-    stored, origin = read_weights(path)
-    return load_checked(Mamba2MCForCausalLM(mcfg), stored, origin, _mamba2_name,
-                        lambda ours: _hf_name(ours, layout), config_file=file,
-                        tied=mcfg.tie_embeddings, what="Mamba2")
-
-
-def _hf_name(ours: str, layout: str) -> str:
-    if ours == "embed.weight":
-        emb = "embedding" if layout == "mamba_ssm" else "embeddings"
-        return f"backbone.{emb}.weight"
-    if ours == "lm_head.weight":
-        return ours
-    return "backbone." + ours
+    return load_mamba2(path, cfg, layout, read_weights)
 
 
 register("mcserve", _load_native, "mcserve's native MC models (config.json + model.safetensors)")

@@ -35,6 +35,7 @@ from mcserve.cli_args import (
     EXIT_USAGE,
     CLIError,
     check_device,
+    delta_scale_arg,
     first_line,
     non_negative_float,
     positive_int,
@@ -95,15 +96,6 @@ _METAVARS = {"tokenizer": "DIR", "state_cache_dir": "DIR", "dtype": "DTYPE", "de
              "delta_scale": "S"}
 
 
-def _delta_scale_arg(text: str) -> Any:
-    from mcserve.models.mamba2 import parse_delta_scale
-
-    try:
-        return parse_delta_scale(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _engine_choices() -> dict[str, tuple[str, ...]]:
     from mcserve import config
 
@@ -152,7 +144,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif ann.startswith("float"):
             typ = float
         if f.name == "delta_scale":  # a number, a comma list or a JSON file
-            typ = _delta_scale_arg
+            typ = delta_scale_arg
         group.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
                            choices=choices.get(f.name), help=help_text,
                            metavar=None if f.name in choices else _METAVARS.get(
