@@ -54,7 +54,9 @@ RESULTS = BENCH / "results"
 SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context", "roofline",
            "cpu_kernels", "structured", "attention"]
 # helpers, and the CUDA-only scripts (kernels.py, gpu.py)
-NOT_BENCHMARKS = {"common", "run_all", "baselines", "kernels", "gpu"}
+NOT_BENCHMARKS = {"common", "run_all", "baselines", "llama_cpp_baseline",
+                  "multi_turn_backends", "kernels", "gpu", "gpu_runs", "gpu_sections",
+                  "long_context_runs"}
 
 
 def run_script(name: str, args, bench_dir: Path) -> dict:
