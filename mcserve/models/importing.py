@@ -80,6 +80,15 @@ def config_getter(cfg: dict, file: Path) -> Callable[..., Any]:
     return get
 
 
+def mamba_ssm_name(src: str) -> str:
+    """A transformers / mamba_ssm Mamba or Mamba2 tensor name → the name in mcserve's model
+    (``backbone.`` dropped, the embedding as ``embed.weight``)."""
+    name = src[len("backbone."):] if src.startswith("backbone.") else src
+    if name in ("embeddings.weight", "embedding.weight"):
+        return "embed.weight"
+    return name
+
+
 def check_mamba_ssm_blocks(cfg: dict, file: Path) -> None:
     """A ``mamba_ssm`` ``MambaConfig`` dict must describe plain RMSNorm → mixer blocks."""
     if cfg.get("d_intermediate", 0):

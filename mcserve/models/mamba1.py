@@ -46,6 +46,7 @@ from mcserve.models.importing import (
     config_getter,
     first_token_id,
     load_checked,
+    mamba_ssm_name,
     mc_settings,
     padded_vocab,
     require_keys,
@@ -246,14 +247,6 @@ def mamba1_config_from_ssm(cfg: dict, file: Path) -> Mamba1Config:
         raise CheckpointError(f"{file}: invalid mamba_ssm Mamba config: {e}") from None
 
 
-def _mamba_name(src: str) -> str:
-    """transformers / mamba_ssm tensor name → ``Mamba1MCForCausalLM`` name."""
-    name = src[len("backbone."):] if src.startswith("backbone.") else src
-    if name in ("embeddings.weight", "embedding.weight"):
-        return "embed.weight"
-    return name
-
-
 def load_mamba1(path: Path, cfg: dict, layout: str, stored: dict[str, Tensor],
                 origin: dict[str, Path]) -> Mamba1MCForCausalLM:
     """The model of a transformers (``layout="transformers"``) or ``mamba_ssm`` Mamba1
@@ -268,5 +261,5 @@ def load_mamba1(path: Path, cfg: dict, layout: str, stored: dict[str, Tensor],
             return f"backbone.{emb}.weight"
         return ours if ours == "lm_head.weight" else "backbone." + ours
 
-    return load_checked(Mamba1MCForCausalLM(mcfg), stored, origin, _mamba_name, source_name,
+    return load_checked(Mamba1MCForCausalLM(mcfg), stored, origin, mamba_ssm_name, source_name,
                         config_file=file, tied=mcfg.tie_embeddings, what="Mamba")

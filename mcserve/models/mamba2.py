@@ -60,6 +60,7 @@ from mcserve.models.importing import (
     config_getter,
     first_token_id,
     load_checked,
+    mamba_ssm_name,
     mc_settings,
     padded_vocab,
     require_keys,
@@ -540,14 +541,6 @@ def mamba2_config_from_ssm(cfg: dict, file: Path) -> Mamba2Config:
         raise CheckpointError(f"{file}: invalid mamba_ssm Mamba2 config: {e}") from None
 
 
-def _mamba2_name(src: str) -> str:
-    """transformers / mamba_ssm tensor name → ``Mamba2MCForCausalLM`` name."""
-    name = src[len("backbone."):] if src.startswith("backbone.") else src
-    if name in ("embeddings.weight", "embedding.weight"):
-        return "embed.weight"
-    return name
-
-
 def load_mamba2(path: Path, cfg: dict, layout: str,
                 read_weights: Callable[[Path], tuple[dict[str, Tensor], dict[str, Path]]]
                 ) -> Mamba2MCForCausalLM:
@@ -566,5 +559,5 @@ def load_mamba2(path: Path, cfg: dict, layout: str,
             return f"backbone.{emb}.weight"
         return ours if ours == "lm_head.weight" else "backbone." + ours
 
-    return load_checked(Mamba2MCForCausalLM(mcfg), stored, origin, _mamba2_name, source_name,
+    return load_checked(Mamba2MCForCausalLM(mcfg), stored, origin, mamba_ssm_name, source_name,
                         config_file=file, tied=mcfg.tie_embeddings, what="Mamba2")
