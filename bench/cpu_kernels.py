@@ -13,12 +13,18 @@ Two measurements, each against its baseline in the same run (samples interleaved
   bfloat16 x: its float32-x path is far slower), the C++ int8 and bfloat16 kernels
   (``kernels/cpu/lowp.cpp``) at each instruction-set level this CPU runs, and oneDNN's packed
   bfloat16 product (bfloat16 in and out: the old ``--dtype bfloat16`` path);
+* **a sparse MoE layer's routed experts** (with ``--lowp`` too): 64 experts of 512 (gated) on
+  d 1536, top 6, at 1, 8 and 64 tokens per call, each call with new tokens (so new experts, read
+  from DRAM), in float32 (the engine's loop: the C++ GEMV for an expert's one or two rows,
+  ``F.linear`` beyond; and ``F.linear`` throughout, the twins) and with the per-expert int8
+  and bfloat16 copies of ``lowp_linear.apply_expert_precision``;
 * **the MC block readout** (``readout_paged``: Σ_n w_n · S_nᵀ q over 512 cached 64 × 64 states
   per head, 4 heads, 4 layers, as ``grm`` at 32K context), with the pools on ordinary 4 KiB pages
   (``torch.zeros``) and on transparent huge pages (``kernels.cpu.zeros``).
 
     python bench/cpu_kernels.py --threads 1     # about two minutes
     python bench/cpu_kernels.py --threads 1 --lowp   # the weight precisions only
+    python bench/cpu_kernels.py --threads 2 --moe    # the MoE experts only: cpu_kernels_moe.json
     python bench/cpu_kernels.py --quick         # CI smoke (seconds)
 
 Prints tables and writes ``bench/results/cpu_kernels.json`` (``--quick``:
@@ -112,6 +118,57 @@ def bench_lowp(shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
             "results": {k: dict(v) for k, v in t.items()}}
 
 
+MOE_SHAPE = dict(d_model=1536, n_experts=64, top_k=6, intermediate=512)
+MOE_QUICK = dict(d_model=256, n_experts=8, top_k=2, intermediate=128)
+
+
+def bench_moe(shape: dict, tokens: int, repeats: int) -> dict:
+    """One MoE layer's forward (router, routed experts) in float32 and with int8 / bfloat16
+    expert copies; every call takes the next of 16 fresh token batches (other experts)."""
+    import contextlib
+    import copy
+    import itertools
+
+    from mcserve.models.lowp_linear import apply_expert_precision
+    from mcserve.models.moe import SparseMoE
+
+    torch.manual_seed(0)
+    base = SparseMoE(shape["d_model"], shape["n_experts"], shape["top_k"],
+                     shape["intermediate"], routing="softmax_topk").eval()
+    mods = {"float32 (engine: C++ GEMV / F.linear)": base}
+    for kind in ("int8", "bf16"):
+        m = copy.deepcopy(base)
+        apply_expert_precision(m, kind, min_numel=1)
+        mods[f"{kind} copies (C++ kernels)"] = m
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(tokens, shape["d_model"], generator=g) for _ in range(16)]
+
+    def caller(m, twins=False):
+        it = itertools.cycle(xs)
+
+        def run():
+            with torch.inference_mode(), cpu.twins_only() if twins else contextlib.nullcontext():
+                return m(next(it))
+        return run
+
+    fns = {k: caller(m) for k, m in mods.items()}
+    fns["float32 F.linear per expert (the twins)"] = caller(base, twins=True)
+    t = timeit_many(fns, repeats=repeats, warmup=2, min_sample_s=0.02)
+    return {"shape": shape, "tokens": tokens, "results": {k: dict(v) for k, v in t.items()}}
+
+
+def print_moe(moe: list[dict], threads: int) -> None:
+    rows = []
+    for r in moe:
+        base = r["results"]["float32 (engine: C++ GEMV / F.linear)"]["median"]
+        for k, v in r["results"].items():
+            rows.append([r["tokens"], k, fmt_time(v["median"]), f"{base / v['median']:.2f}x"])
+    sh = moe[0]["shape"]
+    print_table(rows, ["tokens", "experts", "median", "vs float32"],
+                title=f"\nMoE layer: {sh['n_experts']} experts of {sh['intermediate']} on d "
+                      f"{sh['d_model']}, top {sh['top_k']} ({threads} threads)")
+
+
 def bench_readout(n_blocks: int, repeats: int) -> dict:
     H, K, L = 4, 64, 4
     g = torch.Generator().manual_seed(1)
@@ -141,6 +198,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke)")
     ap.add_argument("--lowp", action="store_true",
                     help="only the weight precisions (int8, bfloat16 against float32)")
+    ap.add_argument("--moe", action="store_true",
+                    help="only the MoE layer's experts (float32, int8, bfloat16)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     threads = set_threads(args.threads)
@@ -150,6 +209,18 @@ def main() -> int:
     env = env_info()
     print(env_line(env))
     repeats = 3 if args.quick else args.repeats
+    if args.moe:
+        from common import write_json
+
+        moe = [bench_moe(MOE_QUICK if args.quick else MOE_SHAPE, t, repeats)
+               for t in ((1, 8) if args.quick else (1, 8, 64))]
+        print_moe(moe, threads)
+        out = {"bench": "cpu_kernels_moe", "env": env, "threads": threads, "quick": args.quick,
+               "lowp_info": cpu.lowp_info(), "moe": moe}
+        paths = write_json(out, "tmp_cpu_kernels_moe_quick.json" if args.quick
+                           else "cpu_kernels_moe.json", extra=args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return 0
     lowp_shapes = (SHAPES["default (d256, 4 layers)"][:5] if args.quick
                    else SHAPES["mamba2-130m (24 layers)"])
     lowp = [bench_lowp(lowp_shapes, rows, repeats) for rows in LOWP_ROWS[:3 if args.quick else 6]]
@@ -166,11 +237,14 @@ def main() -> int:
                 title=f"\nweight precisions over every weight of a "
                       f"{'default-model' if args.quick else '130M Mamba2'} decode step "
                       f"({threads} threads)")
+    moe = [bench_moe(MOE_QUICK if args.quick else MOE_SHAPE, t, repeats)
+           for t in ((1, 8) if args.quick else (1, 8, 64))]
+    print_moe(moe, threads)
     if args.lowp:
         from common import write_json
 
         out = {"bench": "cpu_kernels_lowp", "env": env, "threads": threads, "quick": args.quick,
-               "lowp_info": info, "lowp": lowp}
+               "lowp_info": info, "lowp": lowp, "moe": moe}
         paths = write_json(out, "tmp_cpu_kernels_lowp_quick.json" if args.quick
                            else "cpu_kernels_lowp.json", extra=args.out)
         print("wrote " + ", ".join(str(p) for p in paths))
@@ -197,7 +271,7 @@ def main() -> int:
     from common import write_json
 
     out = {"bench": "cpu_kernels", "env": env, "threads": threads, "quick": args.quick,
-           "gemv": gemv, "readout": ro, "lowp_info": info, "lowp": lowp}
+           "gemv": gemv, "readout": ro, "lowp_info": info, "lowp": lowp, "moe": moe}
     paths = write_json(out, "tmp_cpu_kernels_quick.json" if args.quick else "cpu_kernels.json",
                        extra=args.out)
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -1,7 +1,8 @@
 """Hybrid models with int8 and bf16 weights (``--quantization int8``, ``--dtype bfloat16``'s
 linears): every linear of every family of tests/hybrid_models (attention, recurrent
-projections, MLPs, heads) takes its low-precision copy, and the engine's greedy tokens and
-logprobs agree with the float32 path on the rounded weights (the kernels' twin)."""
+projections, MLPs, heads) and every MoE's routed experts take their low-precision copies, and
+the engine's greedy tokens and logprobs agree with the float32 path on the rounded weights (the
+kernels' twin)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from lowp_helpers import generate
 
 from mcserve.kernels import cpu
 from mcserve.models import lowp_linear as lp
+from mcserve.models.moe import Experts, SparseMoE
 from mcserve.models.registry import load_model
 
 pytestmark = pytest.mark.skipif(cpu.ops() is None,
@@ -32,6 +34,9 @@ def _exact_x():
         cpu.ops().lowp_set_cap(old)
 
 
+#: the families of tests/hybrid_models whose tiny model has sparse MoE layers
+MOE_FAMILIES = {"granitemoehybrid", "jamba", "nemotron_h", "qwen3_next"}
+
 # The engine's sizes for these tiny models.
 _generate = functools.partial(generate, max_tokens=8, max_num_seqs=4, max_num_batched_tokens=48,
                               kv_cache_mib=4, state_cache_mib=64)
@@ -48,6 +53,9 @@ def test_hybrid_with_low_precision_weights(family, kind, tmp_path, monkeypatch):
     model = load_model(tmp_path)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert lp.apply_weight_precision(model, kind, min_numel=1) == n_linear
+    n_experts = sum(isinstance(m, Experts) for m in model.modules())
+    assert n_experts or family not in MOE_FAMILIES
+    assert lp.apply_expert_precision(model, kind, min_numel=1) == n_experts
     V = model.embed.num_embeddings
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 23, 2)]
@@ -59,3 +67,42 @@ def test_hybrid_with_low_precision_weights(family, kind, tmp_path, monkeypatch):
     for (ids, lps), (ids_ref, lps_ref) in zip(got, want, strict=True):
         assert ids == ids_ref
         assert max(abs(a - b) for a, b in zip(lps, lps_ref, strict=True)) < 2e-3
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_experts_with_low_precision_weights(kind, gated, monkeypatch):
+    """A sparse MoE's routed experts (stacked parameters, not linears) with int8 / bfloat16
+    copies per expert: the CPU loop reads them through the kernels, and its output equals the
+    float path on the rounded weights (the twin); the weights really are rounded; an in-place
+    change of the float experts makes them count again."""
+    torch.manual_seed(0)
+    moe = SparseMoE(48, n_experts=5, top_k=2, intermediate=40, gated=gated,
+                    routing="softmax_topk").eval()
+    x = torch.randn(9, 48)
+    with torch.inference_mode():
+        before = moe(x)
+    calls = []
+    name = "linear_q8" if kind == "int8" else "linear_bf16"
+    real = getattr(cpu, name)
+    monkeypatch.setattr(cpu, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert lp.apply_expert_precision(moe, kind, min_numel=10**6) == 0  # too small: unchanged
+    assert lp.apply_expert_precision(moe, kind, min_numel=1) == 1
+    assert lp.apply_expert_precision(moe, kind, min_numel=1) == 0  # idempotent
+    info = lp.weight_precision(moe)
+    share = 0.35 if kind == "int8" else 0.6  # a quarter / a half, plus scales and padding
+    assert info["experts"] == 1 and info["compact_bytes"] < share * info["float32_bytes"]
+    with torch.inference_mode(), _exact_x():
+        got = moe(x)
+    assert len(calls) >= 4  # two matrices for each of at least two experts
+    with torch.inference_mode(), cpu.twins_only():
+        want = moe(x)
+    assert not torch.equal(want, before)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    calls.clear()
+    with torch.no_grad():
+        moe.experts.down_proj.mul_(2)
+    with torch.inference_mode():
+        doubled = moe(x)
+    assert not calls  # the float experts count: the copies no longer hold their values
+    torch.testing.assert_close(doubled, 2 * want, rtol=1e-5, atol=1e-6)

@@ -24,6 +24,10 @@ blocks (``Mamba2Block``, the native ``Block``) read the compact copy directly (`
 ``F.linear`` on the float weight is the plain twin (autograd on, other devices, no C++ kernels).
 The cost is memory: the float32 weights stay, plus a quarter (int8) or a half (bf16) of them.
 
+The routed experts of a sparse MoE (``moe.Experts``, stacked ``(E, N, K)`` parameters rather than
+linears) get the same treatment per expert matrix (``apply_expert_precision``): on the CPU
+their loop runs each expert's rows through the kernels.
+
 The int8 kernel quantizes each input row to int16 (its own scale) and sums exactly in integers:
 every instruction set and every batch size give bit-identical rows. The bf16 kernel has one
 order of additions per output whatever the batch: greedy tokens do not depend on how many
@@ -42,6 +46,7 @@ from mcserve.config import QUANTIZATIONS
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels.cpu.twins import pack_pairs, unpack_pairs
 from mcserve.models.mc import MCMemory
+from mcserve.models.moe import Experts
 from mcserve.models.packed_linear import _PackedForward, _version
 
 log = logging.getLogger(__name__)
@@ -179,13 +184,71 @@ def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
     return n
 
 
+@dataclass(eq=False)
+class ExpertWeights:
+    """The compact copies of one ``Experts`` module's matrices, per expert: ``w_in[e]`` of its
+    input projection(s) ``(2I or I, D_e)``, ``down[e]`` of ``(D_e, I)``; ``params`` and
+    ``versions`` the float parameters they were made from, so an in-place change or a
+    replacement of those makes the float weights count again."""
+
+    w_in: list[LowpWeight]
+    down: list[LowpWeight]
+    params: tuple[Tensor, Tensor]
+    versions: tuple[int, int]
+
+    def usable(self, experts: Experts, x: Tensor) -> bool:
+        """Whether ``experts`` computes on ``x`` through these copies: CPU float32 inference
+        with the C++ kernels, the float parameters the ones they were made from, unchanged."""
+        ps = (experts.w_in, experts.down_proj)
+        return (x.is_cpu and x.dtype == torch.float32 and cpu_ops.enabled()
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in ps))
+                and all(p is q for p, q in zip(ps, self.params))
+                and tuple(_version(p) for p in ps) == self.versions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.w_in + self.down)
+
+
+def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL) -> int:
+    """Give the routed experts of every CPU float32 ``Experts`` module of ``model`` whose expert
+    matrices hold at least ``min_numel`` weights each a ``kind`` copy per expert (as
+    ``apply_weight_precision`` does for linears: the float parameters are overwritten with the
+    values the copies hold, the CPU loop over experts reads the copies). Idempotent; returns how
+    many ``Experts`` modules changed."""
+    if kind not in PRECISIONS:
+        raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, Experts) or m.__dict__.get("lowp") is not None:
+            continue
+        ps = (m.w_in, m.down_proj)
+        if any(not p.is_cpu or p.dtype != torch.float32 or p[0].numel() < min_numel
+               for p in ps):
+            continue
+        copies = []
+        for p in ps:
+            parts = [make_lowp(kind, p[e]) for e in range(p.shape[0])]
+            _overwrite(p, torch.stack([c.dequantized() for c in parts]))
+            copies.append(parts)
+        m.lowp = ExpertWeights(copies[0], copies[1], ps, tuple(_version(p) for p in ps))
+        n += 1
+    return n
+
+
 def weight_precision(model: nn.Module) -> dict[str, object]:
-    """What ``apply_weight_precision`` did to ``model``: linears per precision, the bytes of
-    their compact copies and of the float32 weights they stand for."""
+    """What ``apply_weight_precision`` and ``apply_expert_precision`` did to ``model``: linears
+    per precision, ``Experts`` modules with compact copies, the bytes of all the compact copies
+    and of the float32 weights they stand for."""
     kinds: dict[str, int] = {}
     seen: set[int] = set()
-    compact = full = 0
+    compact = full = experts = 0
     for m in model.modules():
+        ew = m.__dict__.get("lowp") if isinstance(m, Experts) else None
+        if ew is not None:
+            experts += 1
+            compact += ew.nbytes
+            full += sum(p.numel() * 4 for p in ew.params)
         lp = lowp_of(m)
         if lp is None:
             continue
@@ -194,7 +257,8 @@ def weight_precision(model: nn.Module) -> dict[str, object]:
             seen.add(id(lp))
             compact += lp.nbytes
             full += lp.out_features * lp.in_features * 4
-    return {"linears": kinds, "compact_bytes": compact, "float32_bytes": full}
+    return {"linears": kinds, "experts": experts, "compact_bytes": compact,
+            "float32_bytes": full}
 
 
 def load_dtype(dtype: str, device: str) -> str:
@@ -208,15 +272,17 @@ def load_dtype(dtype: str, device: str) -> str:
 
 def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None) -> int:
     """The engine's precision step after loading a CPU model: ``quantization="int8"`` gives the
-    large linears int8 weights, else ``dtype="bfloat16"`` gives them bfloat16 weights (of a
-    model that is float32); returns how many linears changed."""
+    large linears and the routed experts int8 weights, else ``dtype="bfloat16"`` gives them
+    bfloat16 weights (of a model that is float32); returns how many linears and ``Experts``
+    modules changed."""
     if quantization is not None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
                              f"{quantization!r}")
-        return apply_weight_precision(model, quantization)
+        return (apply_weight_precision(model, quantization)
+                + apply_expert_precision(model, quantization))
     if dtype == "bfloat16":
-        n = apply_weight_precision(model, "bf16")
+        n = apply_weight_precision(model, "bf16") + apply_expert_precision(model, "bf16")
         bf16_readouts(model)
         return n
     return 0

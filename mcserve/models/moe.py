@@ -92,6 +92,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mcserve.kernels import cpu as cpu_ops
+
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid")
 #: how the experts run: "loop" (one matmul pair per expert with tokens; reads the counts on the
 #: host), "grouped" (``F.grouped_mm`` over the expert offsets, no host sync), "auto" (grouped
@@ -147,14 +149,25 @@ class Experts(nn.Module):
         return self.gate_up_proj if self.gated else self.up_proj
 
     def one(self, e: int, x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
-        """Expert ``e`` on the rows ``x`` ``(n, D_e)``."""
-        h = F.linear(x, self.w_in[e])
+        """Expert ``e`` on the rows ``x`` ``(n, D_e)``: with int8 or bfloat16 copies of the
+        experts (``lowp``, set by ``lowp_linear.apply_expert_precision``) the C++ kernels read
+        them where they apply, else the float weights (which hold the same values) through
+        ``kernels.cpu.linear``: the C++ matrix-vector product for the few rows an expert gets
+        in a decode step on the CPU, ``F.linear`` otherwise."""
+        lowp = self.__dict__.get("lowp")
+        if lowp is not None and lowp.usable(self, x):
+            h = lowp.w_in[e].linear(x)
+        else:
+            lowp = None
+            h = cpu_ops.linear(x, self.w_in[e])
         if self.gated:
             g, u = h.split(self.intermediate, dim=-1)
             h = act(g) * u
         else:
             h = act(h)
-        return F.linear(h, self.down_proj[e])
+        if lowp is not None:
+            return lowp.down[e].linear(h)
+        return cpu_ops.linear(h, self.down_proj[e])
 
 
 class SharedExpert(nn.Module):
