@@ -11,13 +11,23 @@ segments of C=64 tokens) takes a prefill chunk of ``--chunk`` tokens after N cac
   the way a prefill ran when the runner cut chunks at segment boundaries (the cached set grows
   by one checkpoint per call).
 
-Both give the same outputs (``tests/test_mc_chunk.py``). Samples of the two are interleaved
+* **one pass, span-wide weights** (``grm``, the dense readout): the one pass with the scores
+  and softmax weights of the whole chunk built as tensors before the readout
+  (``mc_chunk._readout_dense_unfused``, the GPU's and training's form) instead of tile by tile
+  (``mc_chunk._readout_dense``, the CPU's).
+
+``--bf16-readout`` gives the dense readout bfloat16 GEMM operands (``MCMemory.readout_dtype``,
+what ``--dtype bfloat16`` sets on a CPU with BF16 dot products).
+
+All give the same outputs (``tests/test_mc_chunk.py``). Samples of the forms are interleaved
 (``common.timeit_many``), so the ratio holds on a loaded machine even when the seconds drift.
 
     python bench/prefill.py                 # chunk 2048, N in 0 128 480 (about a minute)
     python bench/prefill.py --quick         # CI smoke
+    python bench/prefill.py --chunk 8192 --cached 128 --variants grm --bf16-readout
 
-Prints a table and writes ``bench/results/prefill.json`` (``--quick``: ``tmp_prefill_quick.json``).
+Prints a table and writes ``bench/results/prefill.json`` (``--bf16-readout``:
+``prefill_bf16_readout.json``; ``--quick``: ``tmp_prefill_quick.json``).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import env_info, env_line, print_table, set_threads, timeit_many, write_json  # noqa: E402
 
 from mcserve.config import MCConfig  # noqa: E402
+from mcserve.kernels import mc_chunk  # noqa: E402
 from mcserve.models.mc import MCMemory  # noqa: E402
 from mcserve.models.memory.linear import LinearMemory  # noqa: E402
 
@@ -64,6 +75,15 @@ def one_pass(mc: MCMemory, st, inputs) -> None:
     mc.forward(st, *inputs)
 
 
+def span_weights(mc: MCMemory, st, inputs) -> None:
+    tiled = mc_chunk._readout_dense
+    mc_chunk._readout_dense = mc_chunk._readout_dense_unfused
+    try:
+        one_pass(mc, st, inputs)
+    finally:
+        mc_chunk._readout_dense = tiled
+
+
 def per_segment(mc: MCMemory, st, inputs) -> None:
     mc.chunked = False
     q, k, v, u, gates = inputs
@@ -82,6 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--quick", action="store_true", help="chunk 256, N 0 8 (CI smoke)")
+    ap.add_argument("--bf16-readout", action="store_true",
+                    help="bfloat16 operands for the dense cached readout's GEMMs "
+                         "(writes prefill_bf16_readout.json)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.quick:
         args.chunk, args.cached, args.repeats = 256, [0, 8], 3
@@ -93,18 +117,30 @@ def main(argv: list[str] | None = None) -> dict:
         for n in args.cached:
             for variant in args.variants:
                 case = make_case(variant, n, args.chunk)
-                t = timeit_many({"one_pass": functools.partial(one_pass, *case),
-                                 "per_segment": functools.partial(per_segment, *case)},
-                                repeats=args.repeats, warmup=1, min_sample_s=0.0)
+                if args.bf16_readout:
+                    case[0].readout_dtype = torch.bfloat16
+                fns = {"one_pass": functools.partial(one_pass, *case),
+                       "per_segment": functools.partial(per_segment, *case)}
+                if variant == "grm":
+                    fns["span_weights"] = functools.partial(span_weights, *case)
+                t = timeit_many(fns, repeats=args.repeats, warmup=1, min_sample_s=0.0)
                 a, b = t["one_pass"]["median"], t["per_segment"]["median"]
-                rows.append([n, variant, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{a / b:.2f}"])
+                c = t["span_weights"]["median"] if "span_weights" in t else None
+                rows.append([n, variant, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{a / b:.2f}",
+                             "-" if c is None else f"{c * 1e3:.0f}",
+                             "-" if c is None else f"{a / c:.2f}"])
                 results.append({"cached": n, "variant": variant, "chunk": args.chunk,
                                 "one_pass": t["one_pass"], "per_segment": t["per_segment"],
-                                "ratio": a / b})
-    print_table(rows, ["cached N", "variant", "one pass ms", "per segment ms", "ratio"],
-                title=f"MC layer prefill of {args.chunk} tokens (H={H}, K=V={K}, C={C}), median")
+                                "ratio": a / b, "span_weights": t.get("span_weights"),
+                                "ratio_to_span_weights": None if c is None else a / c})
+    print_table(rows, ["cached N", "variant", "one pass ms", "per segment ms", "ratio",
+                       "span-wide weights ms", "ratio"],
+                title=f"MC layer prefill of {args.chunk} tokens (H={H}, K=V={K}, C={C}"
+                      f"{', bf16 readout' if args.bf16_readout else ''}), median")
     data = {"env": env, "threads": threads, "args": vars(args), "results": results}
-    write_json(data, "tmp_prefill_quick.json" if args.quick else "prefill.json")
+    name = ("tmp_prefill_quick.json" if args.quick
+            else "prefill_bf16_readout.json" if args.bf16_readout else "prefill.json")
+    write_json(data, name, extra=args.out)
     return data
 
 
