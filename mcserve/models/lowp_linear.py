@@ -228,8 +228,11 @@ def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
             continue
         copies = []
         for p in ps:
-            parts = [make_lowp(kind, p[e]) for e in range(p.shape[0])]
-            _overwrite(p, torch.stack([c.dequantized() for c in parts]))
+            parts = []
+            for e in range(p.shape[0]):  # one expert at a time: no second copy of the stack
+                parts.append(make_lowp(kind, p[e]))
+                with torch.no_grad():
+                    _overwrite(p[e], parts[-1].dequantized())
             copies.append(parts)
         m.lowp = ExpertWeights(copies[0], copies[1], ps, tuple(_version(p) for p in ps))
         n += 1
