@@ -106,3 +106,18 @@ def test_moe_experts_with_low_precision_weights(kind, gated, monkeypatch):
         doubled = moe(x)
     assert not calls  # the float experts count: the copies no longer hold their values
     torch.testing.assert_close(doubled, 2 * want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantization, dtype, kind", [("int8", "float32", "int8"),
+                                                       (None, "bfloat16", "bf16")])
+def test_engine_precision_step_covers_moe_experts(quantization, dtype, kind):
+    """The engine's precision step (``--quantization int8``, ``--dtype bfloat16`` on the CPU)
+    gives a MoE layer's experts their copies at the default size threshold (each expert matrix
+    of 2¹⁶ weights here), as it does the linears; the router (small) stays float32."""
+    torch.manual_seed(1)
+    moe = SparseMoE(256, n_experts=4, top_k=2, intermediate=256).eval()
+    assert moe.experts.down_proj[0].numel() >= lp.MIN_NUMEL > moe.router.weight.numel()
+    assert lp.prepare_cpu_weights(moe, dtype, quantization) == 1  # the experts, no linear
+    info = lp.weight_precision(moe)
+    assert info["experts"] == 1 and info["linears"] == {}
+    assert moe.experts.lowp.w_in[0].kind == kind
