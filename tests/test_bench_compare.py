@@ -56,3 +56,25 @@ def test_offline_compare_hybrids_quick(tmp_path):
         else:  # not installed, or the shape does not convert: the reason is printed, not lost
             assert any(n.startswith(f"{model}: llama.cpp column skipped") for n in data["notes"])
     assert "mcserve / transformers" in r.stdout
+
+
+def test_moe_bench_quick(tmp_path):
+    """``bench/moe.py --quick``: a 2-layer Granite-4.0-H with routed experts decoded by mcserve in
+    float32 and int8 (and by llama.cpp's F32 / Q8_0 when installed, else a note says why)."""
+    out = tmp_path / "moe.json"
+    env = {**os.environ, "MCSERVE_BENCH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--quick", "--threads",
+                        "1", "--out", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    got = {(x["name"], x["streams"]) for x in data["results"]}
+    assert {(m, n) for m in ("mcserve float32", "mcserve int8") for n in (1, 8)} <= got
+    assert all(x["tokens_per_s"] > 0 for x in data["results"])
+    if ("llama.cpp F32", 1) in got:  # the same weights: the same greedy tokens
+        agree = {(a["name"], a["streams"]): a["fraction"]
+                 for a in data["agreement_with_mcserve_float32"]}
+        assert agree[("llama.cpp F32", 1)] == 1.0
+    else:
+        assert data["notes"]
+    assert "int8 / Q8_0" in r.stdout
