@@ -291,7 +291,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _rows(x: Tensor) -> Tensor:
+    """x as contiguous rows ``(B, K)`` (itself when it already is: the common case)."""
+    if x.dim() == 2 and x.is_contiguous():
+        return x
     return x.reshape(x.numel() // max(1, x.shape[-1]), x.shape[-1]).contiguous()
+
+
+def _unrows(y: Tensor, x: Tensor) -> Tensor:
+    """The kernels' ``(B, N)`` result in x's leading shape."""
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _packed_ok(x: Tensor, w: Tensor, scales: Tensor, dtype: torch.dtype) -> bool:
@@ -309,8 +317,7 @@ def linear_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = 
     if m is None or not _f32_cpu(x, scales, bias) or not _packed_ok(x, qweight, scales,
                                                                     torch.int8):
         return twins.linear_q8(x, qweight, scales, bias)
-    y = m.q8_linear(_rows(x), qweight, scales.contiguous(), bias)
-    return y.view(*x.shape[:-1], scales.numel())
+    return _unrows(m.q8_linear(_rows(x), qweight, scales.contiguous(), bias), x)
 
 
 def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None
@@ -323,8 +330,7 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
     if m is None or not _f32_cpu(x, scales, bias) or not _packed_ok(x, weight, scales,
                                                                     torch.bfloat16):
         return twins.linear_bf16(x, weight, scales, bias)
-    y = m.bf16_linear(_rows(x), weight, scales.contiguous(), bias)
-    return y.view(*x.shape[:-1], scales.numel())
+    return _unrows(m.bf16_linear(_rows(x), weight, scales.contiguous(), bias), x)
 
 
 def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
