@@ -319,10 +319,11 @@ def llama_cpp_runner(model_dir: Path, src_arg: str | None, threads: int
 
 
 def llama_cpp_precision_runners(model_dir: Path, src_arg: str | None, threads: int,
-                                outtypes: tuple[str, ...] = ("f32", "f16", "q8_0")
-                                ) -> tuple[list[LlamaCppRunner], str | None]:
+                                outtypes: tuple[str, ...] = ("f32", "f16", "q8_0"),
+                                **convert: Any) -> tuple[list[LlamaCppRunner], str | None]:
     """llama.cpp runners of ``model_dir`` converted to each GGUF ``outtype`` (named
-    ``llama.cpp f32`` ...), or none and the reason to print instead of their columns."""
+    ``llama.cpp F32`` ...; ``convert``: ``gguf_file``'s ``no_vocab`` / ``layer_names``), or none
+    and the reason to print instead of their columns."""
     why = llama_cpp_missing()
     src = llama_cpp_src(src_arg)
     if why is None and src is None:
@@ -330,8 +331,8 @@ def llama_cpp_precision_runners(model_dir: Path, src_arg: str | None, threads: i
                "set LLAMA_CPP_SRC to the sdist's vendor/llama.cpp folder)")
     if why is not None:
         return [], why.replace("llama.cpp column skipped", "llama.cpp columns skipped")
-    return [LlamaCppRunner(gguf_file(model_dir, src, t), threads, name=f"llama.cpp {t.upper()}")
-            for t in outtypes], None
+    return [LlamaCppRunner(gguf_file(model_dir, src, t, **convert), threads,
+                           name=f"llama.cpp {t.upper()}") for t in outtypes], None
 
 
 def describe_shape(shape: dict[str, Any]) -> str:

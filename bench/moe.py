@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import baselines as bl  # noqa: E402
 from common import env_info, env_line, print_table, set_threads, write_json  # noqa: E402
-from llama_cpp_baseline import LlamaCppRunner, gguf_file, llama_cpp_missing, llama_cpp_src  # noqa: E402
 
 #: Granite-4.0-H-350M's width and layer kinds, 8 layers, with a MoE in every layer
 GRANITE_H_MOE: dict[str, Any] = dict(
@@ -46,20 +45,16 @@ def runners(path: Path, args, threads: int, max_streams: int) -> tuple[list, lis
     rs: list = [bl.McserveEngineRunner(path, "mcserve float32", max_streams, max_len),
                 bl.McserveEngineRunner(path, "mcserve int8", max_streams, max_len,
                                        quantization="int8")]
-    why = llama_cpp_missing()
-    src = llama_cpp_src(args.llama_cpp_src)
-    if why is None and src is None:
-        why = "llama.cpp columns skipped: no convert_hf_to_gguf.py (pass --llama-cpp-src)"
-    if why is None:
-        for t in ("f32", "q8_0"):
-            try:
-                gguf = gguf_file(path, src, t, no_vocab=True, layer_names=bl.GRANITE_LAYER_NAMES)
-                rs.append(LlamaCppRunner(gguf, threads, name=f"llama.cpp {t.upper()}"))
-            except RuntimeError as e:
-                notes.append(f"llama.cpp {t}: {str(e).splitlines()[-1] if str(e) else e}")
-    else:
+    try:  # a conversion or load failure is the columns' note, not the run's end
+        llama, why = bl.llama_cpp_precision_runners(path, args.llama_cpp_src, threads,
+                                                    ("f32", "q8_0"), no_vocab=True,
+                                                    layer_names=bl.GRANITE_LAYER_NAMES)
+    except RuntimeError as e:
+        lines = [x for x in str(e).splitlines() if x.strip()] or ["failed"]
+        llama, why = [], f"llama.cpp columns skipped: {lines[-1]}"
+    if why:
         notes.append(why)
-    return rs, notes
+    return rs + llama, notes
 
 
 def main(argv: list[str] | None = None) -> dict:
