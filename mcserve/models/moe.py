@@ -148,25 +148,28 @@ class Experts(nn.Module):
         """``(E, 2I or I, D_e)``: the input projection(s) of every expert."""
         return self.gate_up_proj if self.gated else self.up_proj
 
-    def one(self, e: int, x: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
-        """Expert ``e`` on the rows ``x`` ``(n, D_e)``: with int8 or bfloat16 copies of the
-        experts (``lowp``, set by ``lowp_linear.apply_expert_precision``) the C++ kernels read
-        them where they apply, else the float weights (which hold the same values) through
-        ``kernels.cpu.linear``: the C++ matrix-vector product for the few rows an expert gets
-        in a decode step on the CPU, ``F.linear`` otherwise."""
+    def compact(self, x: Tensor):
+        """The int8 / bfloat16 copies of the experts (``lowp``, set by
+        ``lowp_linear.apply_expert_precision``) if they apply to rows like ``x``, else None."""
         lowp = self.__dict__.get("lowp")
-        if lowp is not None and lowp.usable(self, x):
-            h = lowp.w_in[e].linear(x)
+        return lowp if lowp is not None and lowp.usable(self, x) else None
+
+    def one(self, e: int, x: Tensor, act: Callable[[Tensor], Tensor], compact=None) -> Tensor:
+        """Expert ``e`` on the rows ``x`` ``(n, D_e)``: through ``compact`` (``compact(x)``'s
+        copies, checked once per call of the layer) where given, else the float weights (which
+        hold the same values) through ``kernels.cpu.linear``: the C++ matrix-vector product for
+        the few rows an expert gets in a decode step on the CPU, ``F.linear`` otherwise."""
+        if compact is not None:
+            h = compact.w_in[e].linear(x)
         else:
-            lowp = None
             h = cpu_ops.linear(x, self.w_in[e])
         if self.gated:
             g, u = h.split(self.intermediate, dim=-1)
             h = act(g) * u
         else:
             h = act(h)
-        if lowp is not None:
-            return lowp.down[e].linear(h)
+        if compact is not None:
+            return compact.down[e].linear(h)
         return cpu_ops.linear(h, self.down_proj[e])
 
 
@@ -365,10 +368,11 @@ class SparseMoE(nn.Module):
         sync: the counts)."""
         counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()
         ys = torch.empty(hs.shape, dtype=hs.dtype, device=hs.device)
+        compact = self.experts.compact(hs)
         start = 0
         for e, c in enumerate(counts):
             if c:
-                ys[start:start + c] = self.experts.one(e, hs[start:start + c], self.act)
+                ys[start:start + c] = self.experts.one(e, hs[start:start + c], self.act, compact)
                 start += c
         return ys
 
