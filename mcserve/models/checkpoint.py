@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from mcserve.config import ModelConfig
+from mcserve.models.compact_weight import CompactWeight
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -89,7 +90,13 @@ def save_checkpoint(
     cfg = dict(config.to_dict())
     cfg["model_type"] = "mcserve"
 
-    state = model.state_dict()
+    state = dict(model.state_dict())
+    plain: dict[int, Tensor] = {}  # a low-precision weight in float32, once even if tied
+    for name, t in state.items():
+        if isinstance(t, CompactWeight):
+            if id(t) not in plain:
+                plain[id(t)] = t.materialized()
+            state[name] = plain[id(t)]
     dropped: set[str] = set()
     for names in _alias_groups(state):
         keep = _keep_name(names)

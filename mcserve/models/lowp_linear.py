@@ -14,15 +14,19 @@ embedding tied to it): the small and sensitive parameters stay float32 (convolut
 norms, gates and routers, small LoRA-style matrices), as do activations, residuals and the
 recurrent state.
 
-Each changed layer keeps its float32 ``weight`` parameter, overwritten with the values the
-low-precision copy represents exactly (``s · q``, or the bfloat16 value), and the compact copy
-next to it. Everything that reads ``weight`` (autograd, ``state_dict``, prefill in any form, the
-twins) therefore computes with the same weights as the fast path: the layer's forward
-(``packed_linear._PackedForward``) routes CPU float32 inference through the C++ kernels of
-``mcserve.kernels.cpu`` (``linear_q8`` / ``linear_bf16``) at any row count, and the fused decode
-blocks (``Mamba2Block``, the native ``Block``) read the compact copy directly (``lowp_of``).
-``F.linear`` on the float weight is the plain twin (autograd on, other devices, no C++ kernels).
-The cost is memory: the float32 weights stay, plus a quarter (int8) or a half (bf16) of them.
+Each changed layer's ``weight`` then stands for exactly the values the low-precision copy
+represents (``s · q``, or the bfloat16 value), so everything that reads it (autograd,
+``state_dict``, prefill in any form, the twins) computes with the same weights as the fast path:
+the layer's forward (``packed_linear._PackedForward``) routes CPU float32 inference through the
+C++ kernels of ``mcserve.kernels.cpu`` (``linear_q8`` / ``linear_bf16``) at any row count, and
+the fused decode blocks (``Mamba2Block``, the native ``Block``) read the compact copy directly
+(``lowp_of``). ``F.linear`` on the weight is the plain twin (autograd on, other devices).
+
+Where those kernels run, the engine keeps only the compact copy (``release``): the parameter
+becomes a ``compact_weight.CompactWeight``, which reports float32 and dequantizes for any other
+reader, so an int8 model holds about a quarter of float32's bytes in its large weights and a
+bf16 model half. Without the C++ kernels the float32 weights are kept, rounded to the copy's
+values, and the linears compute with them at float32's speed.
 
 The routed experts of a sparse MoE (``moe.Experts``, stacked ``(E, N, K)`` parameters rather than
 linears) get the same treatment per expert matrix (``apply_expert_precision``): on the CPU
@@ -45,6 +49,7 @@ from torch import Tensor, nn
 from mcserve.config import QUANTIZATIONS
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.kernels.cpu.twins import pack_pairs, unpack_pairs
+from mcserve.models.compact_weight import CompactWeight, compact_parameter
 from mcserve.models.mc import MCMemory
 from mcserve.models.moe import Experts
 from mcserve.models.packed_linear import _PackedForward, _version
@@ -80,6 +85,12 @@ class LowpWeight:
     def dequantized(self) -> Tensor:
         """The float32 weight these values represent exactly."""
         return self.weight().float() * self.scales[:, None]
+
+    def rows(self, idx: Tensor) -> Tensor:
+        """``self.dequantized()[idx]`` for a 1-D index, reading only those rows (an input
+        embedding tied to a converted LM head)."""
+        r = self.data[idx // 16, :, idx % 16, :].reshape(idx.numel(), -1)[:, :self.in_features]
+        return r.float() * self.scales[idx][:, None]
 
     def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear(x, self.dequantized(), bias)`` through the C++ kernels where they apply."""
@@ -144,15 +155,38 @@ def _overwrite(w: Tensor, values: Tensor) -> None:
         w.copy_(values)
 
 
-def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL) -> int:
+def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, name) that holds each parameter of ``model``, by the parameter's id (a
+    tied weight has several)."""
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, name))
+    return out
+
+
+def _replace(holders: dict[int, list[tuple[nn.Module, str]]], old: Tensor, new: Tensor) -> None:
+    """``new`` in place of parameter ``old`` wherever it is held: ``old``'s float32 storage
+    is freed once nothing else refers to it."""
+    for m, name in holders.pop(id(old), ()):
+        m._parameters[name] = new
+
+
+def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL,
+                           release: bool = False) -> int:
     """Give every CPU float32 ``nn.Linear`` of ``model`` with at least ``min_numel`` weights a
-    ``kind`` copy (``int8`` or ``bf16``), round its float weight to the values that copy holds
-    and route its forward through the C++ kernels (module docstring); a weight shared by several
-    linears is converted once. Replaces a oneDNN-packed copy (``pack_linears``): the kernels
-    take every row count. Idempotent; returns how many linears changed."""
+    ``kind`` copy (``int8`` or ``bf16``) and route its forward through the C++ kernels (module
+    docstring); a weight shared by several linears (or tied to an embedding) is converted once.
+    ``release``: the parameter becomes a ``CompactWeight`` holding only that copy (layer by
+    layer, so the peak is the float32 model plus one layer's copy), else its float32 values are
+    rounded to the ones the copy holds and kept. Replaces a oneDNN-packed copy
+    (``pack_linears``): the kernels take every row count. Idempotent; returns how many linears
+    changed."""
     if kind not in PRECISIONS:
         raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
-    done: dict[int, LowpWeight] = {}
+    holders = _holders(model) if release else {}
+    done: dict[int, tuple[LowpWeight, Tensor]] = {}
     n = 0
     for m in model.modules():
         if not isinstance(m, nn.Linear):
@@ -161,12 +195,20 @@ def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
         if isinstance(fwd, _PackedForward) and fwd.lowp is not None:
             continue
         w = m.weight
-        if not w.is_cpu or w.dtype != torch.float32 or w.numel() < min_numel:
+        if id(w) in done:
+            lp, new = done[id(w)]
+        elif (not w.is_cpu or w.dtype != torch.float32 or w.numel() < min_numel
+              or isinstance(w, CompactWeight)):
             continue
-        lp = done.get(id(w))
-        if lp is None:
-            lp = done[id(w)] = make_lowp(kind, w)
-            _overwrite(w, lp.dequantized())
+        else:
+            lp = make_lowp(kind, w)
+            if release:
+                new = compact_parameter((lp,))
+                _replace(holders, w, new)
+            else:
+                new = w
+                _overwrite(w, lp.dequantized())
+            done[id(new)] = (lp, new)  # a linear tied to this one now holds ``new``
         m.forward = _PackedForward(m, 1, pack=False, lowp=lp)
         n += 1
     if n and not cpu_ops.enabled():
@@ -210,30 +252,36 @@ class ExpertWeights:
         return sum(w.nbytes for w in self.w_in + self.down)
 
 
-def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL) -> int:
+def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL,
+                           release: bool = False) -> int:
     """Give the routed experts of every CPU float32 ``Experts`` module of ``model`` whose expert
-    matrices hold at least ``min_numel`` weights each a ``kind`` copy per expert (as
-    ``apply_weight_precision`` does for linears: the float parameters are overwritten with the
-    values the copies hold, the CPU loop over experts reads the copies). Idempotent; returns how
-    many ``Experts`` modules changed."""
+    matrices hold at least ``min_numel`` weights each a ``kind`` copy per expert, as
+    ``apply_weight_precision`` does for linears (``release``: the stacked parameters become
+    ``CompactWeight``s of those copies, else their float values are rounded to the copies'); the
+    CPU loop over experts reads the copies. Idempotent; returns how many ``Experts`` modules
+    changed."""
     if kind not in PRECISIONS:
         raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
     n = 0
     for m in model.modules():
         if not isinstance(m, Experts) or m.__dict__.get("lowp") is not None:
             continue
-        ps = (m.w_in, m.down_proj)
+        names = ("gate_up_proj" if m.gated else "up_proj", "down_proj")
+        ps = tuple(m._parameters[name] for name in names)
         if any(not p.is_cpu or p.dtype != torch.float32 or p[0].numel() < min_numel
-               for p in ps):
+               or isinstance(p, CompactWeight) for p in ps):
             continue
         copies = []
-        for p in ps:
+        for name, p in zip(names, ps):
             parts = []
             for e in range(p.shape[0]):  # one expert at a time: no second copy of the stack
                 parts.append(make_lowp(kind, p[e]))
-                with torch.no_grad():
+                if not release:
                     _overwrite(p[e], parts[-1].dequantized())
+            if release:
+                m._parameters[name] = compact_parameter(tuple(parts), stacked=True)
             copies.append(parts)
+        ps = tuple(m._parameters[name] for name in names)
         m.lowp = ExpertWeights(copies[0], copies[1], ps, tuple(_version(p) for p in ps))
         n += 1
     return n
@@ -242,16 +290,19 @@ def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
 def weight_precision(model: nn.Module) -> dict[str, object]:
     """What ``apply_weight_precision`` and ``apply_expert_precision`` did to ``model``: linears
     per precision, ``Experts`` modules with compact copies, the bytes of all the compact copies
-    and of the float32 weights they stand for."""
+    and of the float32 weights they stand for, the float32 bytes still kept beside the copies
+    (none once released), and ``held_bytes``: what every parameter of the model holds now (a
+    ``CompactWeight`` its copies, a tied weight once)."""
     kinds: dict[str, int] = {}
     seen: set[int] = set()
-    compact = full = experts = 0
+    compact = full = kept = experts = 0
     for m in model.modules():
         ew = m.__dict__.get("lowp") if isinstance(m, Experts) else None
         if ew is not None:
             experts += 1
             compact += ew.nbytes
             full += sum(p.numel() * 4 for p in ew.params)
+            kept += sum(p.numel() * 4 for p in ew.params if not isinstance(p, CompactWeight))
         lp = lowp_of(m)
         if lp is None:
             continue
@@ -259,9 +310,15 @@ def weight_precision(model: nn.Module) -> dict[str, object]:
         if id(lp) not in seen:
             seen.add(id(lp))
             compact += lp.nbytes
-            full += lp.out_features * lp.in_features * 4
+            nbytes = lp.out_features * lp.in_features * 4
+            full += nbytes
+            kept += 0 if isinstance(m.weight, CompactWeight) else nbytes
+    held = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        held += (p.nbytes_compact if isinstance(p, CompactWeight)
+                 else p.numel() * p.element_size())
     return {"linears": kinds, "experts": experts, "compact_bytes": compact,
-            "float32_bytes": full}
+            "float32_bytes": full, "float32_kept_bytes": kept, "held_bytes": held}
 
 
 def load_dtype(dtype: str, device: str) -> str:
@@ -273,22 +330,35 @@ def load_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None) -> int:
+def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None,
+                        release: bool | None = None) -> int:
     """The engine's precision step after loading a CPU model: ``quantization="int8"`` gives the
     large linears and the routed experts int8 weights, else ``dtype="bfloat16"`` gives them
     bfloat16 weights (of a model that is float32); returns how many linears and ``Experts``
-    modules changed."""
+    modules changed. ``release`` (default: when the C++ kernels run, which read the copies)
+    keeps only the compact copies (``CompactWeight``), not the float32 weights beside them."""
     if quantization is not None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
                              f"{quantization!r}")
-        return (apply_weight_precision(model, quantization)
-                + apply_expert_precision(model, quantization))
-    if dtype == "bfloat16":
-        n = apply_weight_precision(model, "bf16") + apply_expert_precision(model, "bf16")
+        kind = quantization
+    elif dtype == "bfloat16":
+        kind = "bf16"
+    else:
+        return 0
+    if release is None:
+        release = cpu_ops.enabled()
+    n = (apply_weight_precision(model, kind, release=release)
+         + apply_expert_precision(model, kind, release=release))
+    if kind == "bf16":
         bf16_readouts(model)
-        return n
-    return 0
+    if n:
+        info = weight_precision(model)
+        log.info("%s weights: %.1f MB held by the model's parameters (the converted ones "
+                 "%.1f MB, %.1f MB in float32%s)", kind, info["held_bytes"] / 1e6,
+                 info["compact_bytes"] / 1e6, info["float32_bytes"] / 1e6,
+                 ", released" if release else ", kept beside them")
+    return n
 
 
 def bf16_dot() -> bool:
