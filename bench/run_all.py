@@ -52,7 +52,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context", "roofline",
-           "cpu_kernels", "structured", "attention", "moe"]
+           "cpu_kernels", "structured", "attention", "moe", "weight_memory"]
 # helpers, and the CUDA-only scripts (kernels.py, gpu.py)
 NOT_BENCHMARKS = {"common", "run_all", "baselines", "llama_cpp_baseline",
                   "multi_turn_backends", "kernels", "gpu", "gpu_runs", "gpu_sections",

@@ -5,8 +5,10 @@ changing a single greedy token or logprob."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +173,64 @@ def test_save_checkpoint_of_a_released_model(tmp_path):
     assert set(got) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
+def _save_mamba2(path) -> None:
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Mamba2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, state_size=16,
+                       head_dim=16, num_heads=8, n_groups=1, expand=2, conv_kernel=4,
+                       chunk_size=16, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                       tie_word_embeddings=True)
+    Mamba2ForCausalLM(cfg).eval().save_pretrained(path)  # embeddings tied to the head
+
+
+@needs_ops
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("family", ["mamba2", "granitemoehybrid", "qwen3_next"])
+def test_compact_on_load_matches_converting_after(family, kind, tmp_path, monkeypatch):
+    """``load_model(compact=...)`` (what the engine does for int8 / bf16 on the CPU) makes the
+    large weights compact as each tensor is read: the same copies, routes and tokens as loading
+    in float32 and converting after, with no float32 copy of them at any point; no parameter
+    refers to the checkpoint's mapped file afterwards."""
+    if family == "mamba2":
+        _save_mamba2(tmp_path)
+    else:
+        FAMILIES[family].save_tiny(tmp_path)
+    monkeypatch.setattr(lp, "compact_on_load", functools.partial(lp.compact_on_load,
+                                                                 min_numel=1))
+    direct = load_model(tmp_path, compact=kind)
+    tied = {id(p) for names in _tied(direct) for p in [direct.get_parameter(names[0])]}
+    linears = [m for m in direct.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m.weight, CompactWeight) for m in linears
+                           if id(m.weight) not in tied)  # a tied head waits for its embedding
+    assert all(isinstance(p, CompactWeight) for m in direct.modules() if isinstance(m, Experts)
+               for p in (m.w_in, m.down_proj))
+    after = load_model(tmp_path)
+    for model in (direct, after):
+        lp.apply_weight_precision(model, kind, min_numel=1, release=True)
+        lp.apply_expert_precision(model, kind, min_numel=1, release=True)
+    info, want = lp.weight_precision(direct), lp.weight_precision(after)
+    assert info == want and info["float32_kept_bytes"] == 0 and info["linears"]
+    assert (info["experts"] > 0) == (family != "mamba2")
+    if family == "mamba2":  # the tied head, converted with its embedding after the load
+        assert tied and isinstance(direct.lm_head.weight, CompactWeight)
+        assert direct.lm_head.weight is direct.embed.weight
+    V = direct.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 23, 2)]
+    kw = dict(max_tokens=6, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_mib=4,
+              state_cache_mib=64)
+    assert generate(direct, prompts, **kw) == generate(after, prompts, **kw)
+    gc.collect()
+    maps = Path("/proc/self/maps")
+    if maps.is_file():
+        assert str(tmp_path) not in maps.read_text()
+
+
+def _tied(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]

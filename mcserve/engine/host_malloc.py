@@ -30,6 +30,31 @@ SETTINGS = {_M_MMAP_THRESHOLD: 64 << 20, _M_TRIM_THRESHOLD: 256 << 20, _M_TOP_PA
 _done: bool | None = None
 
 
+def _glibc():
+    """glibc through ctypes, or None (another libc, or none found)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        version = libc.gnu_get_libc_version  # absent outside glibc
+    except (OSError, AttributeError):
+        return None
+    version.restype = ctypes.c_char_p
+    return libc
+
+
+def return_freed_memory() -> bool:
+    """Give the pages of memory freed so far back to the system (glibc's ``malloc_trim``): what
+    releasing a low-precision model's float32 weights frees (``models/compact_weight.py``)
+    stays in the process otherwise, since those weights and the compact copies made beside them
+    share the heap. True when glibc returned some."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return libc.malloc_trim(0) == 1
+
+
 def keep_freed_memory() -> bool:
     """Apply ``SETTINGS`` with ``mallopt`` (once per process); True when they are in effect."""
     global _done
@@ -39,14 +64,11 @@ def keep_freed_memory() -> bool:
     if (not sys.platform.startswith("linux") or os.environ.get("MCSERVE_HOST_MALLOC") == "0"
             or any(k.startswith("MALLOC_") for k in os.environ)):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        version = libc.gnu_get_libc_version  # absent outside glibc
-        version.restype = ctypes.c_char_p
-        gnu = version().decode()
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
+    gnu = libc.gnu_get_libc_version().decode()
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = all(mallopt(k, v) == 1 for k, v in SETTINGS.items())
     log.debug("glibc %s mallopt %s: %s", gnu, SETTINGS, "applied" if _done else "refused")

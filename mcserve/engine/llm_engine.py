@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mcserve.config import EngineConfig, MCConfig, ModelConfig
-from mcserve.engine.host_malloc import keep_freed_memory
+from mcserve.engine.host_malloc import keep_freed_memory, return_freed_memory
 from mcserve.engine.kv_cache import KVCache
 from mcserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mcserve.engine.prefix_keys import prompt_block_hashes, request_salt
@@ -35,7 +35,7 @@ from mcserve.engine.tokenizer import (
     stop_holdback,
 )
 from mcserve.errors import InvalidRequestError
-from mcserve.models.lowp_linear import load_dtype, prepare_cpu_weights
+from mcserve.models.lowp_linear import load_compact, load_dtype, prepare_cpu_weights
 from mcserve.models.native import MCForCausalLM
 from mcserve.models.packed_linear import pack_linears
 from mcserve.models.registry import is_checkpoint_file, load_model
@@ -73,14 +73,16 @@ class LLMEngine:
                 where = "the embedded default model" if not config.model else "MODEL"
                 raise ValueError(f"{where}: no checkpoint at {path} (config.json missing)")
             model = load_model(path, dtype=load_dtype(config.dtype, config.device),
-                               device=config.device,
-                               mc_overrides=config.mc_overrides())
+                               device=config.device, mc_overrides=config.mc_overrides(),
+                               compact=load_compact(config.dtype, config.quantization,
+                                                    config.device))
             if tokenizer is None:
                 tokenizer = load_tokenizer(path, config.tokenizer)
             model_name = model_name or (path.name if config.model else "mcserve-default")
         model.eval()
         if model.device.type == "cpu":  # int8 / bfloat16 large linears (models/lowp_linear.py)
-            prepare_cpu_weights(model, config.dtype, config.quantization)
+            if prepare_cpu_weights(model, config.dtype, config.quantization):
+                return_freed_memory()  # the float32 weights the compact copies replaced
             keep_freed_memory()  # large temporaries reused warm, not re-faulted (host_malloc.py)
         if config.cpu_packed_weights and model.device.type == "cpu":
             pack_linears(model)

@@ -158,13 +158,14 @@ def load(path: str | Path, *, dtype: str = "float32", device: str = "cpu",
     int8 weights for the large linears: ``models/lowp_linear.py``)."""
     from mcserve.config import EngineConfig
     from mcserve.engine.tokenizer import load_tokenizer
-    from mcserve.models.lowp_linear import load_dtype, prepare_cpu_weights
+    from mcserve.models.lowp_linear import load_compact, load_dtype, prepare_cpu_weights
     from mcserve.models.registry import load_model
 
     EngineConfig(dtype=dtype, device=device, quantization=quantization)  # validates the pair
     overrides = {"delta_scale": delta_scale} if delta_scale is not None else None
     model = load_model(path, dtype=load_dtype(dtype, device), device=device,
-                       mc_overrides=overrides)
+                       mc_overrides=overrides,
+                       compact=load_compact(dtype, quantization, device))
     if model.device.type == "cpu":
         prepare_cpu_weights(model, dtype, quantization)
     return model, load_tokenizer(path, tokenizer)

@@ -7,15 +7,19 @@ from here. This module imports none of them, so no import cycle runs through it.
   blocks, vocabulary padding);
 * :class:`ImportedConfig` and :class:`RebuildsUnderMC`: the config and model methods every
   imported family has (``mc``, ``to_dict``, ``replace``, ``from_dict``; ``with_mc``);
-* :func:`load_checked`: a renamed state dict loaded with every mismatch a ``CheckpointError``;
+* :func:`load_checked`: a renamed state dict loaded with every mismatch a ``CheckpointError``,
+  the checkpoint's tensors becoming the parameters (no copy); :func:`no_init`, under which the
+  registry builds a model that is about to receive a checkpoint;
 * small pieces several families use as they are (``up``, ``causal_conv``); shared layers
   live in ``layers.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -164,6 +168,52 @@ def listed(names, n: int = 8) -> str:
     return ", ".join(repr(x) for x in names[:n]) + more
 
 
+#: ``torch.nn.init``'s initializers, which ``no_init`` makes leave their tensor as it is
+_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+                 "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                 "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def no_init() -> Iterator[None]:
+    """Within the block, ``torch.nn.init``'s initializers do nothing: a model built to receive a
+    checkpoint's weights is not filled with random values first, so its parameters' memory is
+    never touched (``load_checked`` then takes the checkpoint's tensors as the parameters) and
+    a large model's load neither spends seconds on random numbers nor peaks at twice its
+    weights. Values set otherwise (``fill_``, ``copy_``, buffers computed in ``__init__``)
+    are unaffected. Process-wide while it lasts: build other models outside it."""
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in _INITIALIZERS if hasattr(init, name)}
+    keep = lambda tensor, *args, **kwargs: tensor  # noqa: E731
+    try:
+        for name in saved:
+            setattr(init, name, keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
+#: set by ``registry.load_model`` for a low-precision CPU load: ``(model, name, tensor)`` → the
+#: parameter to hold instead of a float copy of ``tensor`` (``lowp_linear.compact_on_load``),
+#: or None to keep it as it is
+ON_LOAD: contextvars.ContextVar[Callable[[nn.Module, str, Tensor], nn.Parameter | None] | None]
+ON_LOAD = contextvars.ContextVar("mcserve_on_load", default=None)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The parameter names of ``model`` that are one tensor (a tied embedding and head)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _set_param(model: nn.Module, name: str, p: nn.Parameter) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    model.get_submodule(mod_name)._parameters[leaf] = p
+
+
 def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, Path],
                  rename: Callable[[str], str], source_name: Callable[[str], str], *,
                  config_file: Path, tied: bool, what: str,
@@ -213,8 +263,23 @@ def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, 
         if not got.dtype.is_floating_point:
             raise CheckpointError(f"{origin[src]}: tensor {src!r} has dtype {got.dtype}, "
                                   f"expected a floating point tensor")
-    model.load_state_dict({n: t.to(expected[n].dtype) for n, t in renamed.items()},
-                          strict=not tied)
+    tied_names = _tied_names(model)
+    convert = ON_LOAD.get()
+    plain: dict[str, Tensor] = {}
+    for name, t in renamed.items():
+        p = convert(model, name, t) if convert is not None else None
+        if p is not None:  # a compact (int8 / bfloat16) weight straight from the checkpoint's
+            _set_param(model, name, p)
+        else:  # a copy of its own, so nothing refers to the checkpoint's mapped file after
+            plain[name] = t.to(expected[name].dtype, copy=True)
+    # the tensors become the parameters (``assign``): the model's own, left uninitialised
+    # under ``no_init``, are never touched, and no second copy of the weights exists
+    model.load_state_dict(plain, strict=False, assign=True)  # the checks above are stricter
+    for names in tied_names:  # assigning replaced one name's parameter: tie the others again
+        loaded = [n for n in names if n in renamed]  # one, by the checks above
+        p = model.get_parameter(loaded[0])
+        for n in names:
+            _set_param(model, n, p)
     return model.eval()
 
 

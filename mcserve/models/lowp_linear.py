@@ -41,6 +41,7 @@ streams run together (``tests/test_lowp_linear.py``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,13 +104,21 @@ class LowpWeight:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * 4
 
 
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_int8(w: Tensor, block_rows: int = 4096) -> tuple[Tensor, Tensor]:
     """``w (N, K)`` → int8 ``q`` and float32 ``scales`` with ``w ≈ scales[:, None] · q``:
-    symmetric per row, ``scales = max|row| / 127`` (an all-zero row gets scale 0)."""
-    w = w.detach().float()
-    scales = w.abs().amax(dim=1) / 127
-    q = torch.round(w / torch.where(scales > 0, scales, 1)[:, None]).clamp_(-127, 127)
-    return q.to(torch.int8).contiguous(), scales.contiguous()
+    symmetric per row, ``scales = max|row| / 127`` (an all-zero row gets scale 0). Rows are
+    quantized ``block_rows`` at a time, so the float32 temporaries of a large weight (an LM
+    head of 100K rows) stay small."""
+    w = w.detach()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0])
+    for a in range(0, w.shape[0], block_rows):
+        blk = w[a:a + block_rows].float()
+        s = blk.abs().amax(dim=1) / 127
+        q[a:a + block_rows] = torch.round(blk / torch.where(s > 0, s, 1)[:, None]).clamp_(-127,
+                                                                                          127)
+        scales[a:a + block_rows] = s
+    return q, scales
 
 
 def from_weight(kind: str, q: Tensor, scales: Tensor | None = None) -> LowpWeight:
@@ -197,8 +206,12 @@ def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
         w = m.weight
         if id(w) in done:
             lp, new = done[id(w)]
-        elif (not w.is_cpu or w.dtype != torch.float32 or w.numel() < min_numel
-              or isinstance(w, CompactWeight)):
+        elif isinstance(w, CompactWeight):  # compacted as it was loaded (``compact_on_load``)
+            lp, new = w.parts[0], w
+            if lp.kind != kind:
+                raise ValueError(f"a linear holds {lp.kind} weights, not {kind}")
+            done[id(w)] = (lp, w)
+        elif not w.is_cpu or w.dtype != torch.float32 or w.numel() < min_numel:
             continue
         else:
             lp = make_lowp(kind, w)
@@ -268,6 +281,13 @@ def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
             continue
         names = ("gate_up_proj" if m.gated else "up_proj", "down_proj")
         ps = tuple(m._parameters[name] for name in names)
+        if all(isinstance(p, CompactWeight) for p in ps):  # compacted as they were loaded
+            if any(p.parts[0].kind != kind for p in ps):
+                raise ValueError(f"experts hold {ps[0].parts[0].kind} weights, not {kind}")
+            m.lowp = ExpertWeights(list(ps[0].parts), list(ps[1].parts), ps,
+                                   tuple(_version(p) for p in ps))
+            n += 1
+            continue
         if any(not p.is_cpu or p.dtype != torch.float32 or p[0].numel() < min_numel
                or isinstance(p, CompactWeight) for p in ps):
             continue
@@ -285,6 +305,40 @@ def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
         m.lowp = ExpertWeights(copies[0], copies[1], ps, tuple(_version(p) for p in ps))
         n += 1
     return n
+
+
+def compact_on_load(kind: str, min_numel: int = MIN_NUMEL
+                    ) -> Callable[[nn.Module, str, Tensor], nn.Parameter | None]:
+    """The loader's hook (``importing.ON_LOAD``) that makes the weights ``apply_weight_precision``
+    and ``apply_expert_precision`` would convert (with ``release``) compact straight from the
+    checkpoint's tensor, one tensor at a time: a low-precision model never holds its float32
+    weights, not even while it loads. The engine's precision step then routes those layers."""
+    if kind not in PRECISIONS:
+        raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
+
+    def convert(model: nn.Module, name: str, t: Tensor) -> nn.Parameter | None:
+        mod_name, _, leaf = name.rpartition(".")
+        m = model.get_submodule(mod_name)
+        if not t.is_cpu or not t.dtype.is_floating_point:
+            return None
+        if isinstance(m, nn.Linear) and leaf == "weight":
+            if m.weight.dtype != torch.float32 or t.numel() < min_numel:
+                return None
+            return compact_parameter((make_lowp(kind, t),))
+        if isinstance(m, nn.Embedding) and leaf == "weight":  # tied to a large head: its copy
+            if not any(isinstance(x, nn.Linear) and x.weight is m.weight and
+                       x.weight.dtype == torch.float32 and t.numel() >= min_numel
+                       for x in model.modules()):
+                return None
+            return compact_parameter((make_lowp(kind, t),))
+        if isinstance(m, Experts) and leaf in ("gate_up_proj", "up_proj", "down_proj"):
+            if getattr(m, leaf).dtype != torch.float32 or t[0].numel() < min_numel:
+                return None
+            return compact_parameter(tuple(make_lowp(kind, t[e]) for e in range(t.shape[0])),
+                                     stacked=True)
+        return None
+
+    return convert
 
 
 def weight_precision(model: nn.Module) -> dict[str, object]:
@@ -328,6 +382,18 @@ def load_dtype(dtype: str, device: str) -> str:
     if dtype == "bfloat16" and torch.device(device).type == "cpu":
         return "float32"
     return dtype
+
+
+def load_compact(dtype: str, quantization: str | None, device: str) -> str | None:
+    """The precision a checkpoint's large weights take as they load (``load_model``'s
+    ``compact``) for ``EngineConfig(dtype=..., quantization=..., device=...)``: ``int8`` or
+    ``bf16`` on the CPU where the C++ kernels run (the ones that read compact weights), else
+    None (float32 loads, and ``prepare_cpu_weights`` converts what applies)."""
+    if torch.device(device).type != "cpu" or not cpu_ops.enabled():
+        return None
+    if quantization is not None:
+        return quantization if quantization in PRECISIONS else None
+    return "bf16" if dtype == "bfloat16" else None
 
 
 def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None,

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from mcserve.config import MODES, VARIANTS, MCConfig, default_mode
 from mcserve.models.checkpoint import CheckpointError
-from mcserve.models.importing import MC_KEYS
+from mcserve.models.importing import MC_KEYS, ON_LOAD, no_init
 
 __all__ = [
     "CheckpointError", "Importer", "apply_mc", "detect_format", "load_model", "read_config",
@@ -195,18 +195,32 @@ def apply_mc(model: nn.Module, overrides: dict[str, Any] | None) -> nn.Module:
 
 # ---------------------------------------------------------------------------- loading
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
-               device: str | torch.device = "cpu", mc_overrides: dict[str, Any] | None = None
-               ) -> nn.Module:
+               device: str | torch.device = "cpu", mc_overrides: dict[str, Any] | None = None,
+               compact: str | None = None) -> nn.Module:
     """Load any supported checkpoint directory and apply MC overrides; eval mode.
 
     ``dtype`` is a torch dtype or one of ``"float32"``, ``"float64"``, ``"bfloat16"``;
     None keeps float32. ``mc_overrides`` holds any of ``mc_variant``, ``mc_mode``,
     ``segment_len``, ``mc_top_k`` (None values are ignored), and ``delta_scale`` (Mamba2 only).
+    ``compact`` (``"int8"`` or ``"bf16"``, CPU float32 loads of the pretrained formats): the
+    large linears and routed experts become compact weights as each tensor is read
+    (``lowp_linear.compact_on_load``), so the float32 weights are never all in memory; the
+    engine's precision step (``lowp_linear.prepare_cpu_weights``) then routes them.
     """
     path = Path(path)
     model_type, layout = detect_format(path)
     cfg = read_config(path)
-    model = _REGISTRY[model_type].load(path, cfg, layout)
+    hook = None
+    if compact is not None:
+        from mcserve.models.lowp_linear import compact_on_load
+
+        hook = compact_on_load(compact)
+    token = ON_LOAD.set(hook)
+    try:
+        with no_init():  # the checkpoint fills every parameter (importing.no_init)
+            model = _REGISTRY[model_type].load(path, cfg, layout)
+    finally:
+        ON_LOAD.reset(token)
     # ``delta_scale`` (Mamba2's Δ scaling) rides with the overrides (EngineConfig.mc_overrides)
     # but is not an MC setting: applied after them, on models that have it
     mc_overrides = dict(mc_overrides or {})
