@@ -78,21 +78,29 @@ def test_compact_weight_is_read_only():
     torch.testing.assert_close(materialized(w), before, rtol=0, atol=0)
 
 
+def _convert(model: nn.Module, kind: str, min_numel: int, release: bool) -> tuple[int, ...]:
+    """The engine's precision step (``prepare_cpu_weights``) at another size threshold: how
+    many linears, ``Experts`` and embeddings changed."""
+    return (lp.apply_weight_precision(model, kind, min_numel=min_numel, release=release),
+            lp.apply_expert_precision(model, kind, min_numel=min_numel, release=release),
+            lp.apply_embedding_precision(model, kind, min_numel=min_numel, release=release))
+
+
 def _released_pair(load, kind: str, min_numel: int):
     """The same model twice with ``kind`` weights: float32 kept (rounded) and released; and
     weak references to the released model's float32 parameters that were converted."""
     kept, released = load(), load()
-    lp.apply_weight_precision(kept, kind, min_numel=min_numel)
-    lp.apply_expert_precision(kept, kind, min_numel=min_numel)
+    _convert(kept, kind, min_numel, release=False)
     converted = {id(m.weight) for m in kept.modules() if lp.lowp_of(m) is not None}
     converted |= {id(p) for m in kept.modules() if isinstance(m, Experts)
                   for p in (m.w_in, m.down_proj)}
+    converted |= {id(m.weight) for m in kept.modules() if isinstance(m, nn.Embedding)
+                  and m.__dict__.get("lowp") is not None}
     names = [n for n, p in kept.named_parameters(remove_duplicate=False) if id(p) in converted]
     params = dict(released.named_parameters(remove_duplicate=False))
     floats = [weakref.ref(params[n]) for n in names]
     del params
-    lp.apply_weight_precision(released, kind, min_numel=min_numel, release=True)
-    lp.apply_expert_precision(released, kind, min_numel=min_numel, release=True)
+    _convert(released, kind, min_numel, release=True)
     return kept, released, floats
 
 
@@ -117,8 +125,7 @@ def test_release_changes_no_token_and_frees_the_float_weights(family, kind, tmp_
     gc.collect()
     assert floats and all(r() is None for r in floats)  # their float32 storage is freed
     before = {n: p for n, p in released.named_parameters()}
-    assert lp.apply_weight_precision(released, kind, min_numel=min_numel, release=True) == 0
-    assert lp.apply_expert_precision(released, kind, min_numel=min_numel, release=True) == 0
+    assert _convert(released, kind, min_numel, release=True) == (0, 0, 0)
     assert all(p is before[n] for n, p in released.named_parameters())  # idempotent
     info_kept, info = lp.weight_precision(kept), lp.weight_precision(released)
     assert info["float32_kept_bytes"] == 0 < info_kept["float32_kept_bytes"]
@@ -129,7 +136,8 @@ def test_release_changes_no_token_and_frees_the_float_weights(family, kind, tmp_
     if family == "default":
         assert isinstance(released.lm_head.weight, CompactWeight)
         assert released.embed.weight is released.lm_head.weight
-    else:
+    else:  # untied: the embedding has its own copy, read row by row
+        assert info["embeddings"] == 1 and isinstance(released.embed.weight, CompactWeight)
         experts = [m for m in released.modules() if isinstance(m, Experts)]
         assert experts and all(isinstance(m.w_in, CompactWeight)
                                and isinstance(m.down_proj, CompactWeight) for m in experts)
@@ -209,8 +217,7 @@ def test_compact_on_load_matches_converting_after(family, kind, tmp_path, monkey
                for p in (m.w_in, m.down_proj))
     after = load_model(tmp_path)
     for model in (direct, after):
-        lp.apply_weight_precision(model, kind, min_numel=1, release=True)
-        lp.apply_expert_precision(model, kind, min_numel=1, release=True)
+        _convert(model, kind, 1, release=True)
     info, want = lp.weight_precision(direct), lp.weight_precision(after)
     assert info == want and info["float32_kept_bytes"] == 0 and info["linears"]
     assert (info["experts"] > 0) == (family != "mamba2")

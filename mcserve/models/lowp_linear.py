@@ -239,6 +239,41 @@ def apply_weight_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
     return n
 
 
+def _tied_to_linear(model: nn.Module, w: Tensor) -> bool:
+    return any(isinstance(x, nn.Linear) and x.weight is w for x in model.modules())
+
+
+def apply_embedding_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL,
+                              release: bool = False) -> int:
+    """Give every CPU float32 ``nn.Embedding`` of ``model`` with at least ``min_numel`` weights
+    that is not tied to a linear (those convert with it) a ``kind`` copy, as llama.cpp's Q8_0
+    and F16 files hold the token embedding: ``release`` makes the parameter a ``CompactWeight``
+    (a lookup dequantizes only the rows it reads), else its float32 values are rounded to the
+    copy's and kept. Idempotent; returns how many embeddings changed."""
+    if kind not in PRECISIONS:
+        raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
+    holders = _holders(model) if release else {}
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, nn.Embedding) or m.__dict__.get("lowp") is not None:
+            continue
+        w = m.weight
+        if isinstance(w, CompactWeight):  # compacted as it was loaded (``compact_on_load``)
+            m.lowp = w.parts[0]
+            n += 1
+            continue
+        if (not w.is_cpu or w.dtype != torch.float32 or w.numel() < min_numel
+                or _tied_to_linear(model, w)):
+            continue
+        m.lowp = make_lowp(kind, w)
+        if release:
+            _replace(holders, w, compact_parameter((m.lowp,)))
+        else:
+            _overwrite(w, m.lowp.dequantized())
+        n += 1
+    return n
+
+
 @dataclass(eq=False)
 class ExpertWeights:
     """The compact copies of one ``Experts`` module's matrices, per expert: ``w_in[e]`` of its
@@ -325,10 +360,8 @@ def compact_on_load(kind: str, min_numel: int = MIN_NUMEL
             if m.weight.dtype != torch.float32 or t.numel() < min_numel:
                 return None
             return compact_parameter((make_lowp(kind, t),))
-        if isinstance(m, nn.Embedding) and leaf == "weight":  # tied to a large head: its copy
-            if not any(isinstance(x, nn.Linear) and x.weight is m.weight and
-                       x.weight.dtype == torch.float32 and t.numel() >= min_numel
-                       for x in model.modules()):
+        if isinstance(m, nn.Embedding) and leaf == "weight":  # tied to a head or not
+            if m.weight.dtype != torch.float32 or t.numel() < min_numel:
                 return None
             return compact_parameter((make_lowp(kind, t),))
         if isinstance(m, Experts) and leaf in ("gate_up_proj", "up_proj", "down_proj"):
@@ -342,15 +375,23 @@ def compact_on_load(kind: str, min_numel: int = MIN_NUMEL
 
 
 def weight_precision(model: nn.Module) -> dict[str, object]:
-    """What ``apply_weight_precision`` and ``apply_expert_precision`` did to ``model``: linears
-    per precision, ``Experts`` modules with compact copies, the bytes of all the compact copies
-    and of the float32 weights they stand for, the float32 bytes still kept beside the copies
-    (none once released), and ``held_bytes``: what every parameter of the model holds now (a
-    ``CompactWeight`` its copies, a tied weight once)."""
+    """What the ``apply_*_precision`` functions did to ``model``: linears per precision,
+    ``Experts`` modules and untied embeddings with compact copies, the bytes of all the compact
+    copies and of the float32 weights they stand for, the float32 bytes still kept beside the
+    copies (none once released), and ``held_bytes``: what every parameter of the model holds now
+    (a ``CompactWeight`` its copies, a tied weight once)."""
     kinds: dict[str, int] = {}
     seen: set[int] = set()
     compact = full = kept = experts = 0
+    embeddings = 0
     for m in model.modules():
+        el = m.__dict__.get("lowp") if isinstance(m, nn.Embedding) else None
+        if el is not None and id(el) not in seen and not _tied_to_linear(model, m.weight):
+            seen.add(id(el))
+            embeddings += 1
+            compact += el.nbytes
+            full += m.weight.numel() * 4
+            kept += 0 if isinstance(m.weight, CompactWeight) else m.weight.numel() * 4
         ew = m.__dict__.get("lowp") if isinstance(m, Experts) else None
         if ew is not None:
             experts += 1
@@ -371,7 +412,8 @@ def weight_precision(model: nn.Module) -> dict[str, object]:
     for p in {id(p): p for p in model.parameters()}.values():
         held += (p.nbytes_compact if isinstance(p, CompactWeight)
                  else p.numel() * p.element_size())
-    return {"linears": kinds, "experts": experts, "compact_bytes": compact,
+    return {"linears": kinds, "experts": experts, "embeddings": embeddings,
+            "compact_bytes": compact,
             "float32_bytes": full, "float32_kept_bytes": kept, "held_bytes": held}
 
 
@@ -415,7 +457,8 @@ def prepare_cpu_weights(model: nn.Module, dtype: str, quantization: str | None,
     if release is None:
         release = cpu_ops.enabled()
     n = (apply_weight_precision(model, kind, release=release)
-         + apply_expert_precision(model, kind, release=release))
+         + apply_expert_precision(model, kind, release=release)
+         + apply_embedding_precision(model, kind, release=release))
     if kind == "bf16":
         bf16_readouts(model)
     if n:
