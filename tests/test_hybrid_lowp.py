@@ -15,6 +15,7 @@ from hybrid_models import FAMILIES
 from lowp_helpers import generate
 
 from mcserve.kernels import cpu
+from mcserve.kernels.cpu import twins
 from mcserve.models import lowp_linear as lp
 from mcserve.models.moe import Experts, SparseMoE
 from mcserve.models.registry import load_model
@@ -73,7 +74,7 @@ def test_hybrid_with_low_precision_weights(family, kind, tmp_path, monkeypatch):
 @pytest.mark.parametrize("gated", [True, False])
 def test_moe_experts_with_low_precision_weights(kind, gated, monkeypatch):
     """A sparse MoE's routed experts (stacked parameters, not linears) with int8 / bfloat16
-    copies per expert: the CPU loop reads them through the kernels, and its output equals the
+    copies per expert: the CPU reads them in one C++ call for the layer, and its output equals the
     float path on the rounded weights (the twin); the weights really are rounded; an in-place
     change of the float experts makes them count again."""
     torch.manual_seed(0)
@@ -83,9 +84,8 @@ def test_moe_experts_with_low_precision_weights(kind, gated, monkeypatch):
     with torch.inference_mode():
         before = moe(x)
     calls = []
-    name = "linear_q8" if kind == "int8" else "linear_bf16"
-    real = getattr(cpu, name)
-    monkeypatch.setattr(cpu, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu.moe_experts
+    monkeypatch.setattr(cpu, "moe_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     assert lp.apply_expert_precision(moe, kind, min_numel=10**6) == 0  # too small: unchanged
     assert lp.apply_expert_precision(moe, kind, min_numel=1) == 1
     assert lp.apply_expert_precision(moe, kind, min_numel=1) == 0  # idempotent
@@ -94,7 +94,7 @@ def test_moe_experts_with_low_precision_weights(kind, gated, monkeypatch):
     assert info["experts"] == 1 and info["compact_bytes"] < share * info["float32_bytes"]
     with torch.inference_mode(), _exact_x():
         got = moe(x)
-    assert len(calls) >= 4  # two matrices for each of at least two experts
+    assert calls == [1]  # every expert in one C++ call
     with torch.inference_mode(), cpu.twins_only():
         want = moe(x)
     assert not torch.equal(want, before)
@@ -121,3 +121,36 @@ def test_engine_precision_step_covers_moe_experts(quantization, dtype, kind):
     info = lp.weight_precision(moe)
     assert info["experts"] == 1 and info["linears"] == {}
     assert moe.experts.lowp.w_in[0].kind == kind
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_moe_experts_kernel_matches_twin(kind, gated, act):
+    """``kernels.cpu.moe_experts`` (one C++ call for a layer's routed experts) against its twin
+    on fresh random odd shapes: experts with no token, a token's experts in any order, one and
+    several tokens; x kept in float32 by the kernels (as the twin does) it agrees to rounding."""
+    g = torch.Generator().manual_seed(7 + act)
+    E, D, inter = 7, 37, 23
+    n1 = 2 * inter if gated else inter
+    w_in = [lp.make_lowp(kind, torch.randn(n1, D, generator=g)) for _ in range(E)]
+    down = [lp.make_lowp(kind, torch.randn(D, inter, generator=g) / 5) for _ in range(E)]
+    (wi, si, _), (wd, sd, _) = lp.stack_experts(w_in), lp.stack_experts(down)
+    for T, k in ((1, 3), (5, 2), (11, 4)):
+        x = torch.randn(T, D, generator=g)
+        idx = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])  # E-1 idle
+        w = torch.rand(T, k, generator=g)
+        want = twins.moe_experts(x, idx, w, wi, si, wd, sd, gated, act)
+        with _exact_x():
+            got = cpu.moe_experts(x, idx, w, wi, si, wd, sd, gated, act)
+        tol = 1e-4 if kind == "int8" else 1e-5  # int8: x rounded to int16 codes
+        assert float((got - want).abs().max() / want.abs().max()) < tol, (T, k)
+        best = cpu.moe_experts(x, idx, w, wi, si, wd, sd, gated, act)  # the CPU's best level
+        assert float((best - want).abs().max() / want.abs().max()) < 2e-2
+        rows = torch.cat([cpu.moe_experts(x[t:t + 1], idx[t:t + 1], w[t:t + 1], wi, si, wd, sd,
+                                          gated, act) for t in range(T)])
+        assert torch.equal(rows, best)  # a token's result does not depend on the others
+    empty = cpu.moe_experts(x[:0], idx[:0], w[:0], wi, si, wd, sd, gated, act)
+    assert empty.shape == (0, D)
+    with pytest.raises(RuntimeError, match="expert index 7 out of"):
+        cpu.moe_experts(x, torch.full_like(idx, E), w, wi, si, wd, sd, gated, act)

@@ -9,10 +9,11 @@ gives a loaded float32 model such weights without a new file format:
   ``s = max|row| / 127`` and ``q = round(w / s)`` in [-127, 127];
 * ``bf16`` (``EngineConfig(dtype="bfloat16")`` on the CPU): the weight rounded to bfloat16.
 
-Only linears of at least ``MIN_NUMEL`` weights change (projections, MLPs, the LM head, and the
-embedding tied to it): the small and sensitive parameters stay float32 (convolutions, A/Δ/D,
-norms, gates and routers, small LoRA-style matrices), as do activations, residuals and the
-recurrent state.
+Only linears of at least ``MIN_NUMEL`` weights change (projections, MLPs, the LM head), and the
+token embedding of that size (``apply_embedding_precision``, or with the head it is tied to), as
+llama.cpp's Q8_0 and F16 files hold it: the small and sensitive parameters stay float32
+(convolutions, A/Δ/D, norms, gates and routers, small LoRA-style matrices), as do activations,
+residuals and the recurrent state.
 
 Each changed layer's ``weight`` then stands for exactly the values the low-precision copy
 represents (``s · q``, or the bfloat16 value), so everything that reads it (autograd,
@@ -276,15 +277,21 @@ def apply_embedding_precision(model: nn.Module, kind: str, min_numel: int = MIN_
 
 @dataclass(eq=False)
 class ExpertWeights:
-    """The compact copies of one ``Experts`` module's matrices, per expert: ``w_in[e]`` of its
-    input projection(s) ``(2I or I, D_e)``, ``down[e]`` of ``(D_e, I)``; ``params`` and
-    ``versions`` the float parameters they were made from, so an in-place change or a
-    replacement of those makes the float weights count again."""
+    """The compact copies of one ``Experts`` module's matrices: ``w_in_data`` ``(E, ...)`` of
+    every expert's input projection(s) ``(2I or I, D_e)`` packed as one tensor, ``down_data`` of
+    the down projections ``(D_e, I)``, their scales ``(E, N)``, and ``w_in[e]`` / ``down[e]``,
+    each expert's ``LowpWeight`` (views of those); ``params`` and ``versions`` the float
+    parameters they were made from, so an in-place change or a replacement of those makes the
+    float weights count again."""
 
     w_in: list[LowpWeight]
     down: list[LowpWeight]
     params: tuple[Tensor, Tensor]
     versions: tuple[int, int]
+    w_in_data: Tensor
+    w_in_scales: Tensor
+    down_data: Tensor
+    down_scales: Tensor
 
     def usable(self, experts: Experts, x: Tensor) -> bool:
         """Whether ``experts`` computes on ``x`` through these copies: CPU float32 inference
@@ -297,7 +304,35 @@ class ExpertWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.w_in + self.down)
+        return sum(t.numel() * t.element_size() for t in (self.w_in_data, self.w_in_scales,
+                                                           self.down_data, self.down_scales))
+
+
+def stack_experts(parts: list[LowpWeight]) -> tuple[Tensor, Tensor, list[LowpWeight]]:
+    """Every expert's copy of one matrix as one tensor ``(E, ...)`` and scales ``(E, N)``, and
+    each expert's ``LowpWeight`` as views of those (what the C++ experts take in one call);
+    parts that already are such views are taken as they are, without a copy."""
+    base = parts[0].data._base
+    if not (base is not None and base.dim() == 5 and base.shape[0] == len(parts)
+            and all(p.data._base is base and p.data.data_ptr() == base[e].data_ptr()
+                    for e, p in enumerate(parts))):
+        base = torch.stack([p.data for p in parts])
+    scales = torch.stack([p.scales for p in parts])
+    views = [LowpWeight(p.kind, base[e], scales[e], p.in_features) for e, p in enumerate(parts)]
+    return base, scales, views
+
+
+def _expert_weights(m: Experts, names: tuple[str, str], copies: list[list[LowpWeight]],
+                    release: bool) -> ExpertWeights:
+    """``m``'s ``ExpertWeights`` from the two matrices' per-expert copies; ``release``: its
+    parameters become ``CompactWeight``s of those copies' stacked views."""
+    stacks = [stack_experts(parts) for parts in copies]
+    if release:
+        for name, (_, _, views) in zip(names, stacks):
+            m._parameters[name] = compact_parameter(tuple(views), stacked=True)
+    ps = tuple(m._parameters[name] for name in names)
+    (wi, si, vi), (wd, sd, vd) = stacks
+    return ExpertWeights(vi, vd, ps, tuple(_version(p) for p in ps), wi, si, wd, sd)
 
 
 def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUMEL,
@@ -319,25 +354,21 @@ def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
         if all(isinstance(p, CompactWeight) for p in ps):  # compacted as they were loaded
             if any(p.parts[0].kind != kind for p in ps):
                 raise ValueError(f"experts hold {ps[0].parts[0].kind} weights, not {kind}")
-            m.lowp = ExpertWeights(list(ps[0].parts), list(ps[1].parts), ps,
-                                   tuple(_version(p) for p in ps))
+            m.lowp = _expert_weights(m, names, [list(p.parts) for p in ps], release=True)
             n += 1
             continue
         if any(not p.is_cpu or p.dtype != torch.float32 or p[0].numel() < min_numel
                or isinstance(p, CompactWeight) for p in ps):
             continue
         copies = []
-        for name, p in zip(names, ps):
+        for p in ps:
             parts = []
             for e in range(p.shape[0]):  # one expert at a time: no second copy of the stack
                 parts.append(make_lowp(kind, p[e]))
                 if not release:
                     _overwrite(p[e], parts[-1].dequantized())
-            if release:
-                m._parameters[name] = compact_parameter(tuple(parts), stacked=True)
             copies.append(parts)
-        ps = tuple(m._parameters[name] for name in names)
-        m.lowp = ExpertWeights(copies[0], copies[1], ps, tuple(_version(p) for p in ps))
+        m.lowp = _expert_weights(m, names, copies, release)
         n += 1
     return n
 
@@ -367,8 +398,8 @@ def compact_on_load(kind: str, min_numel: int = MIN_NUMEL
         if isinstance(m, Experts) and leaf in ("gate_up_proj", "up_proj", "down_proj"):
             if getattr(m, leaf).dtype != torch.float32 or t[0].numel() < min_numel:
                 return None
-            return compact_parameter(tuple(make_lowp(kind, t[e]) for e in range(t.shape[0])),
-                                     stacked=True)
+            parts = [make_lowp(kind, t[e]) for e in range(t.shape[0])]
+            return compact_parameter(tuple(stack_experts(parts)[2]), stacked=True)
         return None
 
     return convert

@@ -116,6 +116,10 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+#: the activations the C++ experts (``kernels.cpu.moe_experts``) compute, by their codes there
+ACT_CODES = {"silu": 0, "swish": 0, "relu2": 1, "relu": 2}
+
+
 def activation(name: str) -> Callable[[Tensor], Tensor]:
     try:
         return ACTIVATIONS[name]
@@ -240,6 +244,7 @@ class SparseMoE(nn.Module):
         #: in float32); default: with sigmoid routing
         self.router_fp32 = routing == "sigmoid" if router_fp32 is None else bool(router_fp32)
         self.act = activation(act)
+        self.act_code = ACT_CODES.get(act)  # the C++ experts' activation (None: not there)
         self.router = nn.Linear(d_model, n_experts, bias=router_bias)
         if routing == "sigmoid":
             self.register_buffer("e_score_correction_bias",
@@ -409,6 +414,12 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         idx, w = self.route(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        compact = self.experts.compact(h) if self.act_code is not None else None
+        if compact is not None and self._impl(h) == "loop":  # the CPU, int8 / bfloat16 experts
+            out = cpu_ops.moe_experts(h, idx, w.float(), compact.w_in_data, compact.w_in_scales,
+                                      compact.down_data, compact.down_scales, self.experts.gated,
+                                      self.act_code)
+            return self._finish(x, out.to(h.dtype), shape)
         order, tok = self._sorted(idx)
         hs = h.index_select(0, tok)
         impl = self._impl(h)

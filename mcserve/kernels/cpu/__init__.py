@@ -39,7 +39,8 @@ _DIR = Path(__file__).parent
 #: ops by kind (ops.h; helpers in common.h), the low-precision products (lowp.cpp / lowp.h) and
 #: the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
 _SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
-                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "sampling.cpp"))
+                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "experts.cpp",
+                                    "sampling.cpp"))
 _HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -331,6 +332,19 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
                                                                     torch.bfloat16):
         return twins.linear_bf16(x, weight, scales, bias)
     return _unrows(m.bf16_linear(_rows(x), weight, scales.contiguous(), bias), x)
+
+
+def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor, down: Tensor,
+                s_down: Tensor, gated: bool, act: int) -> Tensor:
+    """A MoE layer's routed experts with packed int8 / bfloat16 weights, weighted and summed per
+    token (twin ``twins.moe_experts``, same signature): one C++ call (``experts.cpp``) for what
+    a Python loop over the experts did; a row's result does not depend on the other tokens."""
+    m = ops()
+    if (m is None or not _f32_cpu(x, w, s_in, s_down) or w_in.dtype not in (torch.int8,
+                                                                          torch.bfloat16)):
+        return twins.moe_experts(x, idx, w, w_in, s_in, down, s_down, gated, act)
+    return m.moe_experts(_rows(x), idx.contiguous(), w.contiguous(), w_in, s_in, down, s_down,
+                         gated, act)
 
 
 def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:

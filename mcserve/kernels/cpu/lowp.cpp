@@ -624,6 +624,16 @@ int pick(int64_t impl, int best, const char* what) {
 
 }  // namespace
 
+void lowp_rows(bool is_int8, const void* P, int64_t N, int64_t KP, const float* x, int64_t B,
+               int64_t K, const float* sw, float* y) {
+  if (B == 0 || N == 0) return;
+  if (is_int8) {
+    q8_raw(x, B, K, static_cast<const int8_t*>(P), N, KP, sw, nullptr, y, q8_best());
+  } else {
+    bf_raw(x, B, K, static_cast<const uint16_t*>(P), N, KP, sw, nullptr, y, bf_best());
+  }
+}
+
 // the packed weight (NBk, KP, 16, 2) of N outputs (the scales' length) and K inputs
 void check_packed(const torch::Tensor& P, const torch::Tensor& scales, int64_t K,
                   torch::ScalarType t, const char* what) {

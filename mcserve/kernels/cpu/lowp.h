@@ -38,6 +38,25 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& W,
                          const c10::optional<torch::Tensor>& scales,
                          const c10::optional<torch::Tensor>& bias);
 
+// y (B, N) = x (B, K) · (P · sw)ᵀ for a packed weight P ((ceil(N/16), KP, 16, 2), int8 when
+// is_int8, else bfloat16) at the best level this CPU runs: the raw product, no checks (the
+// callers check shapes and dtypes once for many products)
+void lowp_rows(bool is_int8, const void* P, int64_t N, int64_t KP, const float* x, int64_t B,
+               int64_t K, const float* sw, float* y);
+
+// The routed experts of a sparse MoE layer in one call (experts.cpp; models/moe.py): x (T, D)
+// float32, each token's k experts idx (T, k) int64 and weights w (T, k) float32; every expert's
+// input projection w_in (E, ceil(N1/16), ceil(D/2), 16, 2) and down projection down (E,
+// ceil(D/16), ceil(I/2), 16, 2), both int8 or both bfloat16 (lowp.cpp's packing), with scales
+// s_in (E, N1) and s_down (E, D); N1 = 2I (gated: rows [:I] the gate) or I. Returns
+// out (T, D) float32 = sum over a token's experts of w · down_e(act(gate_e x) * up_e x) (gated)
+// or w · down_e(act(up_e x)); act 0 silu, 1 relu², 2 relu. The (token, expert) pairs are taken
+// expert by expert, each expert's rows in one product, and added into out in that order.
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& w,
+                          const torch::Tensor& w_in, const torch::Tensor& s_in,
+                          const torch::Tensor& down, const torch::Tensor& s_down, bool gated,
+                          int64_t act);
+
 void bind(pybind11::module& m);
 
 }  // namespace mcserve_lowp

@@ -1,0 +1,121 @@
+// The routed experts of a sparse MoE layer on the CPU in one call (lowp.h, moe_experts).
+//
+// At one token a MoE layer runs top_k experts of two small products each (Granite-4.0-H: 6
+// experts, 512 × 1536 and 768 × 512 weights): the products take about 18 us together, the Python
+// around each expert (slicing, the wrappers' checks, a tensor per result, the activation) more
+// than twice that. Here the routing's pairs are grouped by expert with a counting sort, each
+// expert's rows gathered, multiplied (lowp.cpp's kernels, one parallel region per product), the
+// activation applied and the weighted rows added into the output in (expert, pair) order, the
+// order of models/moe.py's loop (its index_add over the pairs sorted by expert).
+#include "lowp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace mcserve_lowp {
+namespace {
+
+inline float activate(float v, int64_t act) {
+  switch (act) {
+    case 1: return v > 0.f ? v * v : 0.f;
+    case 2: return v > 0.f ? v : 0.f;
+    default: return v / (1.f + std::exp(-v));
+  }
+}
+
+void check_stacked(const torch::Tensor& P, const torch::Tensor& s, int64_t E, int64_t N,
+                   int64_t K, torch::ScalarType t, const char* what) {
+  TORCH_CHECK(P.device().is_cpu() && P.scalar_type() == t && P.is_contiguous(), "moe_experts: ",
+              what, " must be a contiguous ", t, " CPU tensor, got ", P.scalar_type());
+  TORCH_CHECK(P.dim() == 5 && P.size(0) == E && P.size(1) == (N + 15) / 16
+                  && P.size(2) == (K + 1) / 2 && P.size(3) == 16 && P.size(4) == 2,
+              "moe_experts: ", what, " (", E, ", ", (N + 15) / 16, ", ", (K + 1) / 2,
+              ", 16, 2) expected, got ", P.sizes());
+  TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == torch::kFloat32 && s.is_contiguous()
+                  && s.dim() == 2 && s.size(0) == E && s.size(1) == N,
+              "moe_experts: the scales of ", what, " (", E, ", ", N, ") float32 expected, got ",
+              s.sizes());
+}
+
+}  // namespace
+
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& w,
+                          const torch::Tensor& w_in, const torch::Tensor& s_in,
+                          const torch::Tensor& down, const torch::Tensor& s_down, bool gated,
+                          int64_t act) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2
+                  && x.is_contiguous(), "moe_experts: x must be contiguous float32 (T, D)");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(idx.scalar_type() == torch::kLong && idx.dim() == 2 && idx.size(0) == T
+                  && idx.is_contiguous(), "moe_experts: idx must be contiguous int64 (T, k)");
+  const int64_t k = idx.size(1);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.size(0) == T
+                  && w.size(1) == k && w.is_contiguous(),
+              "moe_experts: w must be contiguous float32 (T, k) like idx");
+  TORCH_CHECK(act >= 0 && act <= 2, "moe_experts: act must be 0 (silu), 1 (relu2) or 2 (relu)");
+  const bool is_int8 = w_in.scalar_type() == torch::kChar;
+  const auto t = is_int8 ? torch::kChar : torch::kBFloat16;
+  const int64_t E = s_in.dim() == 2 ? s_in.size(0) : -1, N1 = s_in.dim() == 2 ? s_in.size(1) : -1;
+  const int64_t I = gated ? N1 / 2 : N1;
+  TORCH_CHECK(E > 0 && N1 > 0 && (!gated || N1 % 2 == 0),
+              "moe_experts: s_in must be (E, 2I) (gated) or (E, I) float32");
+  check_stacked(w_in, s_in, E, N1, D, t, "w_in");
+  check_stacked(down, s_down, E, D, I, t, "down");
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = w.data_ptr<float>();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "moe_experts: expert index ", ip[p], " out of [0, ", E,
+                ")");
+    ++start[ip[p] + 1];
+  }
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    most = std::max(most, start[e + 1]);
+    start[e + 1] += start[e];
+  }
+  std::vector<int64_t> pairs(T * k), fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) pairs[fill[ip[p]]++] = p;  // stable: pair order kept
+
+  auto out = torch::zeros({T, D}, x.options());
+  if (T == 0) return out;
+  std::vector<float> xs(most * D), h(most * N1), a(most * I), y(most * D);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t in_stride = w_in.stride(0) * w_in.element_size();
+  const int64_t down_stride = down.stride(0) * down.element_size();
+  const auto* in_base = static_cast<const char*>(w_in.data_ptr());
+  const auto* down_base = static_cast<const char*>(down.data_ptr());
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c = start[e + 1] - start[e];
+    if (c == 0) continue;
+    const int64_t* pe = pairs.data() + start[e];
+    for (int64_t j = 0; j < c; ++j)
+      std::memcpy(xs.data() + j * D, xp + (pe[j] / k) * D, sizeof(float) * D);
+    lowp_rows(is_int8, in_base + e * in_stride, N1, w_in.size(2), xs.data(), c, D,
+              s_in.data_ptr<float>() + e * N1, h.data());
+    for (int64_t j = 0; j < c; ++j) {
+      const float* hj = h.data() + j * N1;
+      float* aj = a.data() + j * I;
+      if (gated) {
+        for (int64_t i = 0; i < I; ++i) aj[i] = activate(hj[i], act) * hj[I + i];
+      } else {
+        for (int64_t i = 0; i < I; ++i) aj[i] = activate(hj[i], act);
+      }
+    }
+    lowp_rows(is_int8, down_base + e * down_stride, D, down.size(2), a.data(), c, I,
+              s_down.data_ptr<float>() + e * D, y.data());
+    for (int64_t j = 0; j < c; ++j) {
+      const float g = wp[pe[j]];
+      float* o = op + (pe[j] / k) * D;
+      const float* yj = y.data() + j * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += g * yj[d];
+    }
+  }
+  return out;
+}
+
+}  // namespace mcserve_lowp
