@@ -93,6 +93,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcserve.kernels import cpu as cpu_ops
+from mcserve.models.compact_weight import CompactWeight
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid")
 #: how the experts run: "loop" (one matmul pair per expert with tokens; reads the counts on the
@@ -368,6 +369,24 @@ class SparseMoE(nn.Module):
         order = torch.argsort(idx.reshape(-1), stable=True)
         return order, order // idx.shape[1]
 
+    def _cpu_experts(self, h: Tensor, idx: Tensor, w: Tensor) -> Tensor | None:
+        """Every routed expert in one C++ call (``kernels.cpu.moe_experts``) where it applies:
+        inference on float32 rows with the experts' int8 / bfloat16 copies, or with float32
+        experts held as such; None elsewhere (the loop runs)."""
+        ex = self.experts
+        compact = ex.compact(h)
+        if compact is not None:
+            return cpu_ops.moe_experts(h, idx, w.float(), compact.w_in_data, compact.w_in_scales,
+                                       compact.down_data, compact.down_scales, ex.gated,
+                                       self.act_code)
+        w_in, down = ex.w_in, ex.down_proj
+        if (not cpu_ops.enabled() or h.dtype != torch.float32 or torch.is_grad_enabled()
+                or isinstance(w_in, CompactWeight) or isinstance(down, CompactWeight)
+                or w_in.dtype != torch.float32 or down.dtype != torch.float32):
+            return None
+        return cpu_ops.moe_experts(h, idx, w.float(), w_in.detach(), None, down.detach(), None,
+                                   ex.gated, self.act_code)
+
     def _experts_loop(self, hs: Tensor, idx: Tensor) -> Tensor:
         """One matmul pair per expert with tokens, over exactly its rows of ``hs`` (one host
         sync: the counts)."""
@@ -414,12 +433,10 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         idx, w = self.route(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        compact = self.experts.compact(h) if self.act_code is not None else None
-        if compact is not None and self._impl(h) == "loop":  # the CPU, int8 / bfloat16 experts
-            out = cpu_ops.moe_experts(h, idx, w.float(), compact.w_in_data, compact.w_in_scales,
-                                      compact.down_data, compact.down_scales, self.experts.gated,
-                                      self.act_code)
-            return self._finish(x, out.to(h.dtype), shape)
+        if self.act_code is not None and h.is_cpu and self._impl(h) == "loop":
+            out = self._cpu_experts(h, idx, w)
+            if out is not None:
+                return self._finish(x, out.to(h.dtype), shape)
         order, tok = self._sorted(idx)
         hs = h.index_select(0, tok)
         impl = self._impl(h)

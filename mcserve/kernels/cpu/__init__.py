@@ -334,14 +334,15 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
     return _unrows(m.bf16_linear(_rows(x), weight, scales.contiguous(), bias), x)
 
 
-def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor, down: Tensor,
-                s_down: Tensor, gated: bool, act: int) -> Tensor:
-    """A MoE layer's routed experts with packed int8 / bfloat16 weights, weighted and summed per
-    token (twin ``twins.moe_experts``, same signature): one C++ call (``experts.cpp``) for what
-    a Python loop over the experts did; a row's result does not depend on the other tokens."""
+def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor | None,
+                down: Tensor, s_down: Tensor | None, gated: bool, act: int) -> Tensor:
+    """A MoE layer's routed experts, packed int8 / bfloat16 with their scales or the float32
+    stacks, weighted and summed per token (twin ``twins.moe_experts``, same signature): one C++
+    call (``experts.cpp``) for what a Python loop over the experts did; a row's result does not
+    depend on the other tokens."""
     m = ops()
-    if (m is None or not _f32_cpu(x, w, s_in, s_down) or w_in.dtype not in (torch.int8,
-                                                                          torch.bfloat16)):
+    lowp = w_in.dtype in (torch.int8, torch.bfloat16)
+    if m is None or not _f32_cpu(x, w, s_in, s_down) or not (lowp or _f32_cpu(w_in, down)):
         return twins.moe_experts(x, idx, w, w_in, s_in, down, s_down, gated, act)
     return m.moe_experts(_rows(x), idx.contiguous(), w.contiguous(), w_in, s_in, down, s_down,
                          gated, act)

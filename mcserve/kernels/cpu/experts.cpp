@@ -6,8 +6,13 @@
 // than twice that. Here the routing's pairs are grouped by expert with a counting sort, each
 // expert's rows gathered, multiplied (lowp.cpp's kernels, one parallel region per product), the
 // activation applied and the weighted rows added into the output in (expert, pair) order, the
-// order of models/moe.py's loop (its index_add over the pairs sorted by expert).
+// order of models/moe.py's loop (its index_add over the pairs sorted by expert). float32 experts
+// (the stacked parameters themselves) take gemv.cpp's product for an expert's one or two rows and
+// ATen's linear beyond, as that loop did.
 #include "lowp.h"
+#include "ops.h"
+
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +29,20 @@ inline float activate(float v, int64_t act) {
     case 2: return v > 0.f ? v : 0.f;
     default: return v / (1.f + std::exp(-v));
   }
+}
+
+// y (c, N) = x (c, K) · W (N, K)ᵀ for a float32 weight: gemv.cpp at one or two rows, else ATen
+void f32_rows(const torch::Tensor& W, float* x, int64_t c, int64_t K, float* y) {
+  auto xt = torch::from_blob(x, {c, K}, torch::kFloat32);
+  auto yt = torch::from_blob(y, {c, W.size(0)}, torch::kFloat32);
+  yt.copy_(c <= 2 ? mcserve_ops::gemv(xt, W, c10::nullopt) : at::linear(xt, W));
+}
+
+void check_f32_stack(const torch::Tensor& W, int64_t E, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(W.device().is_cpu() && W.scalar_type() == torch::kFloat32 && W.is_contiguous()
+                  && W.dim() == 3 && W.size(0) == E && W.size(1) == N && W.size(2) == K,
+              "moe_experts: float32 ", what, " (", E, ", ", N, ", ", K, ") expected, got ",
+              W.sizes());
 }
 
 void check_stacked(const torch::Tensor& P, const torch::Tensor& s, int64_t E, int64_t N,
@@ -43,9 +62,9 @@ void check_stacked(const torch::Tensor& P, const torch::Tensor& s, int64_t E, in
 }  // namespace
 
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& w,
-                          const torch::Tensor& w_in, const torch::Tensor& s_in,
-                          const torch::Tensor& down, const torch::Tensor& s_down, bool gated,
-                          int64_t act) {
+                          const torch::Tensor& w_in, const c10::optional<torch::Tensor>& s_in,
+                          const torch::Tensor& down, const c10::optional<torch::Tensor>& s_down,
+                          bool gated, int64_t act) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2
                   && x.is_contiguous(), "moe_experts: x must be contiguous float32 (T, D)");
   const int64_t T = x.size(0), D = x.size(1);
@@ -56,14 +75,28 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
                   && w.size(1) == k && w.is_contiguous(),
               "moe_experts: w must be contiguous float32 (T, k) like idx");
   TORCH_CHECK(act >= 0 && act <= 2, "moe_experts: act must be 0 (silu), 1 (relu2) or 2 (relu)");
+  const bool f32 = w_in.scalar_type() == torch::kFloat32;
   const bool is_int8 = w_in.scalar_type() == torch::kChar;
   const auto t = is_int8 ? torch::kChar : torch::kBFloat16;
-  const int64_t E = s_in.dim() == 2 ? s_in.size(0) : -1, N1 = s_in.dim() == 2 ? s_in.size(1) : -1;
+  int64_t E = -1, N1 = -1;
+  if (f32) {
+    TORCH_CHECK(w_in.dim() == 3, "moe_experts: float32 w_in (E, N1, D) expected");
+    E = w_in.size(0), N1 = w_in.size(1);
+  } else {
+    TORCH_CHECK(s_in.has_value() && s_in->dim() == 2 && s_down.has_value(),
+                "moe_experts: packed weights need their scales s_in (E, N1) and s_down (E, D)");
+    E = s_in->size(0), N1 = s_in->size(1);
+  }
   const int64_t I = gated ? N1 / 2 : N1;
   TORCH_CHECK(E > 0 && N1 > 0 && (!gated || N1 % 2 == 0),
-              "moe_experts: s_in must be (E, 2I) (gated) or (E, I) float32");
-  check_stacked(w_in, s_in, E, N1, D, t, "w_in");
-  check_stacked(down, s_down, E, D, I, t, "down");
+              "moe_experts: N1 must be 2I (gated) or I");
+  if (f32) {
+    check_f32_stack(w_in, E, N1, D, "w_in");
+    check_f32_stack(down, E, D, I, "down");
+  } else {
+    check_stacked(w_in, *s_in, E, N1, D, t, "w_in");
+    check_stacked(down, *s_down, E, D, I, t, "down");
+  }
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = w.data_ptr<float>();
   std::vector<int64_t> start(E + 1, 0);
@@ -95,8 +128,12 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
     const int64_t* pe = pairs.data() + start[e];
     for (int64_t j = 0; j < c; ++j)
       std::memcpy(xs.data() + j * D, xp + (pe[j] / k) * D, sizeof(float) * D);
-    lowp_rows(is_int8, in_base + e * in_stride, N1, w_in.size(2), xs.data(), c, D,
-              s_in.data_ptr<float>() + e * N1, h.data());
+    if (f32) {
+      f32_rows(w_in[e], xs.data(), c, D, h.data());
+    } else {
+      lowp_rows(is_int8, in_base + e * in_stride, N1, w_in.size(2), xs.data(), c, D,
+                s_in->data_ptr<float>() + e * N1, h.data());
+    }
     for (int64_t j = 0; j < c; ++j) {
       const float* hj = h.data() + j * N1;
       float* aj = a.data() + j * I;
@@ -106,8 +143,12 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
         for (int64_t i = 0; i < I; ++i) aj[i] = activate(hj[i], act);
       }
     }
-    lowp_rows(is_int8, down_base + e * down_stride, D, down.size(2), a.data(), c, I,
-              s_down.data_ptr<float>() + e * D, y.data());
+    if (f32) {
+      f32_rows(down[e], a.data(), c, I, y.data());
+    } else {
+      lowp_rows(is_int8, down_base + e * down_stride, D, down.size(2), a.data(), c, I,
+                s_down->data_ptr<float>() + e * D, y.data());
+    }
     for (int64_t j = 0; j < c; ++j) {
       const float g = wp[pe[j]];
       float* o = op + (pe[j] / k) * D;

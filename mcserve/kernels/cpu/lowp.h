@@ -52,10 +52,11 @@ void lowp_rows(bool is_int8, const void* P, int64_t N, int64_t KP, const float* 
 // out (T, D) float32 = sum over a token's experts of w · down_e(act(gate_e x) * up_e x) (gated)
 // or w · down_e(act(up_e x)); act 0 silu, 1 relu², 2 relu. The (token, expert) pairs are taken
 // expert by expert, each expert's rows in one product, and added into out in that order.
+// float32 experts: w_in (E, N1, D) and down (E, D, I) as the model stacks them, no scales.
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& w,
-                          const torch::Tensor& w_in, const torch::Tensor& s_in,
-                          const torch::Tensor& down, const torch::Tensor& s_down, bool gated,
-                          int64_t act);
+                          const torch::Tensor& w_in, const c10::optional<torch::Tensor>& s_in,
+                          const torch::Tensor& down, const c10::optional<torch::Tensor>& s_down,
+                          bool gated, int64_t act);
 
 void bind(pybind11::module& m);
 

@@ -49,28 +49,33 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
 MOE_ACTS = {0: F.silu, 1: lambda h: torch.square(F.relu(h)), 2: F.relu}
 
 
-def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor, down: Tensor,
-                s_down: Tensor, gated: bool, act: int) -> Tensor:
+def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor | None,
+                down: Tensor, s_down: Tensor | None, gated: bool, act: int) -> Tensor:
     """A MoE layer's routed experts on x ``(T, D)``: out ``(T, D)`` float32 = the sum over each
     token's experts ``idx (T, k)`` of ``w (T, k)`` · ``down_e(act(gate_e x) * up_e x)`` (gated;
     ``down_e(act(up_e x))`` otherwise); ``w_in (E, ⌈N1/16⌉, ⌈D/2⌉, 16, 2)`` and ``down (E,
     ⌈D/16⌉, ⌈I/2⌉, 16, 2)`` int8 or bfloat16 in ``pack_pairs``' layout with scales ``s_in (E,
-    N1)``, ``s_down (E, D)``, ``N1 = 2I`` (gated) or ``I``; ``act``: 0 silu, 1 relu², 2 relu.
-    The pairs are added expert by expert, each expert's in pair order."""
+    N1)``, ``s_down (E, D)``, ``N1 = 2I`` (gated) or ``I``, or float32 ``w_in (E, N1, D)`` and
+    ``down (E, D, I)`` with no scales; ``act``: 0 silu, 1 relu², 2 relu. The pairs are added
+    expert by expert, each expert's in pair order."""
     T, D = x.shape
     k = idx.shape[1]
-    N1 = s_in.shape[1]
+    f32 = w_in.dtype == torch.float32
+    N1 = w_in.shape[1] if f32 else s_in.shape[1]
     inter = N1 // 2 if gated else N1
     f = MOE_ACTS[act]
     out = torch.zeros(T, D)
     flat = idx.reshape(-1)
-    for e in range(s_in.shape[0]):
+    for e in range(w_in.shape[0]):
         pairs = (flat == e).nonzero()[:, 0]
         if not pairs.numel():
             continue
         tok = pairs // k
-        wi = unpack_pairs(w_in[e], N1, D).float() * s_in[e][:, None]
-        wd = unpack_pairs(down[e], D, inter).float() * s_down[e][:, None]
+        if f32:
+            wi, wd = w_in[e], down[e]
+        else:
+            wi = unpack_pairs(w_in[e], N1, D).float() * s_in[e][:, None]
+            wd = unpack_pairs(down[e], D, inter).float() * s_down[e][:, None]
         h = F.linear(x[tok], wi)
         h = f(h[:, :inter]) * h[:, inter:] if gated else f(h)
         out.index_add_(0, tok, F.linear(h, wd) * w.reshape(-1)[pairs, None])
