@@ -241,3 +241,34 @@ def _tied(model: nn.Module) -> list[list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
+
+
+def test_no_init_skips_initializers_in_its_thread_only():
+    """``importing.no_init`` (the registry builds a model about to receive a checkpoint under
+    it): the initializers leave tensors as they are in that thread, not in another one running
+    meanwhile, and are themselves again afterwards."""
+    import threading
+
+    from mcserve.models.importing import no_init
+
+    original = nn.init.normal_
+    seen: dict[str, bool] = {}
+    inside, checked = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait()
+        seen["other"] = bool(nn.init.normal_(torch.zeros(64)).abs().sum() > 0)
+        checked.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with no_init():
+        inside.set()
+        checked.wait(timeout=30)
+        with no_init():  # nested: still skipped
+            seen["nested"] = bool(nn.init.ones_(torch.zeros(8)).sum() == 0)
+        seen["this"] = bool(nn.init.normal_(torch.zeros(64)).abs().sum() == 0)
+    t.join()
+    assert seen == {"other": True, "nested": True, "this": True}
+    assert nn.init.normal_ is original
+    assert nn.init.normal_(torch.zeros(64)).abs().sum() > 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -174,24 +175,51 @@ _INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "
                  "kaiming_normal_", "orthogonal_", "sparse_")
 
 
+_no_init = threading.local()  # the threads inside ``no_init``
+_no_init_lock = threading.Lock()
+_no_init_saved: dict[str, Callable[..., Tensor]] = {}
+_no_init_depth = 0
+
+
+def _skipping(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def init_unless_loading(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if getattr(_no_init, "on", False):
+            return tensor
+        return fn(tensor, *args, **kwargs)
+
+    return init_unless_loading
+
+
 @contextlib.contextmanager
 def no_init() -> Iterator[None]:
-    """Within the block, ``torch.nn.init``'s initializers do nothing: a model built to receive a
-    checkpoint's weights is not filled with random values first, so its parameters' memory is
-    never touched (``load_checked`` then takes the checkpoint's tensors as the parameters) and
-    a large model's load neither spends seconds on random numbers nor peaks at twice its
-    weights. Values set otherwise (``fill_``, ``copy_``, buffers computed in ``__init__``)
-    are unaffected. Process-wide while it lasts: build other models outside it."""
+    """Within the block, in this thread, ``torch.nn.init``'s initializers do nothing: a model
+    built to receive a checkpoint's weights is not filled with random values first, so its
+    parameters' memory is never touched (``load_checked`` then takes the checkpoint's tensors as
+    the parameters) and a large model's load neither spends seconds on random numbers nor peaks
+    at twice its weights. Values set otherwise (``fill_``, ``copy_``, buffers computed in
+    ``__init__``) are unaffected, and so is every other thread (the initializers are wrapped
+    while any thread is inside, and check which thread calls)."""
+    global _no_init_depth
     init = torch.nn.init
-    saved = {name: getattr(init, name) for name in _INITIALIZERS if hasattr(init, name)}
-    keep = lambda tensor, *args, **kwargs: tensor  # noqa: E731
+    with _no_init_lock:
+        if _no_init_depth == 0:
+            for name in _INITIALIZERS:
+                if hasattr(init, name):
+                    _no_init_saved[name] = getattr(init, name)
+                    setattr(init, name, _skipping(_no_init_saved[name]))
+        _no_init_depth += 1
+    before = getattr(_no_init, "on", False)
+    _no_init.on = True
     try:
-        for name in saved:
-            setattr(init, name, keep)
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
+        _no_init.on = before
+        with _no_init_lock:
+            _no_init_depth -= 1
+            if _no_init_depth == 0:
+                for name, fn in _no_init_saved.items():
+                    setattr(init, name, fn)
+                _no_init_saved.clear()
 
 
 #: set by ``registry.load_model`` for a low-precision CPU load: ``(model, name, tensor)`` → the
@@ -268,7 +296,7 @@ def load_checked(model: nn.Module, stored: dict[str, Tensor], origin: dict[str, 
     plain: dict[str, Tensor] = {}
     for name, t in renamed.items():
         p = convert(model, name, t) if convert is not None else None
-        if p is not None:  # a compact (int8 / bfloat16) weight straight from the checkpoint's
+        if p is not None:  # a compact (int8 / bfloat16) weight made from the tensor as read
             _set_param(model, name, p)
         else:  # a copy of its own, so nothing refers to the checkpoint's mapped file after
             plain[name] = t.to(expected[name].dtype, copy=True)
