@@ -78,6 +78,16 @@ def test_compact_weight_is_read_only():
     torch.testing.assert_close(materialized(w), before, rtol=0, atol=0)
 
 
+def _assert_same_tokens(a: nn.Module, b: nn.Module) -> None:
+    """The engine's greedy tokens and logprobs of three random prompts are the same on both."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, a.config.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 23, 2)]
+    kw = dict(max_tokens=6, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_mib=4,
+              state_cache_mib=64)
+    assert generate(a, prompts, **kw) == generate(b, prompts, **kw)
+
+
 def _convert(model: nn.Module, kind: str, min_numel: int, release: bool) -> tuple[int, ...]:
     """The engine's precision step (``prepare_cpu_weights``) at another size threshold: how
     many linears, ``Experts`` and embeddings changed."""
@@ -143,14 +153,9 @@ def test_release_changes_no_token_and_frees_the_float_weights(family, kind, tmp_
                                and isinstance(m.down_proj, CompactWeight) for m in experts)
         with torch.inference_mode():  # the expert loop reads the copies
             assert all(m.compact(torch.zeros(1, m.w_in.shape[-1])) is not None for m in experts)
-    V = released.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 23, 2)]
-    kw = dict(max_tokens=6, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_mib=4,
-              state_cache_mib=64)
-    assert generate(released, prompts, **kw) == generate(kept, prompts, **kw)
+    _assert_same_tokens(released, kept)
     with cpu.twins_only():
-        assert generate(released, prompts, **kw) == generate(kept, prompts, **kw)
+        _assert_same_tokens(released, kept)
 
 
 @needs_ops
@@ -221,15 +226,10 @@ def test_compact_on_load_matches_converting_after(family, kind, tmp_path, monkey
     info, want = lp.weight_precision(direct), lp.weight_precision(after)
     assert info == want and info["float32_kept_bytes"] == 0 and info["linears"]
     assert (info["experts"] > 0) == (family != "mamba2")
-    if family == "mamba2":  # the tied head, converted with its embedding after the load
+    if family == "mamba2":  # the tied head and embedding: one compact weight
         assert tied and isinstance(direct.lm_head.weight, CompactWeight)
         assert direct.lm_head.weight is direct.embed.weight
-    V = direct.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 23, 2)]
-    kw = dict(max_tokens=6, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_mib=4,
-              state_cache_mib=64)
-    assert generate(direct, prompts, **kw) == generate(after, prompts, **kw)
+    _assert_same_tokens(direct, after)
     gc.collect()
     maps = Path("/proc/self/maps")
     if maps.is_file():

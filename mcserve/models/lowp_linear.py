@@ -30,8 +30,8 @@ bf16 model half. Without the C++ kernels the float32 weights are kept, rounded t
 values, and the linears compute with them at float32's speed.
 
 The routed experts of a sparse MoE (``moe.Experts``, stacked ``(E, N, K)`` parameters rather than
-linears) get the same treatment per expert matrix (``apply_expert_precision``): on the CPU
-their loop runs each expert's rows through the kernels.
+linears) get the same treatment per expert matrix (``apply_expert_precision``), the copies
+stacked (``stack_experts``) for the one C++ call that runs a layer's experts on the CPU.
 
 The int8 kernel quantizes each input row to int16 (its own scale) and sums exactly in integers:
 every instruction set and every batch size give bit-identical rows. The bf16 kernel has one
@@ -89,8 +89,8 @@ class LowpWeight:
         return self.weight().float() * self.scales[:, None]
 
     def rows(self, idx: Tensor) -> Tensor:
-        """``self.dequantized()[idx]`` for a 1-D index, reading only those rows (an input
-        embedding tied to a converted LM head)."""
+        """``self.dequantized()[idx]`` for a 1-D index, reading only those rows (a token
+        embedding's lookup)."""
         r = self.data[idx // 16, :, idx % 16, :].reshape(idx.numel(), -1)[:, :self.in_features]
         return r.float() * self.scales[idx][:, None]
 
@@ -340,9 +340,9 @@ def apply_expert_precision(model: nn.Module, kind: str, min_numel: int = MIN_NUM
     """Give the routed experts of every CPU float32 ``Experts`` module of ``model`` whose expert
     matrices hold at least ``min_numel`` weights each a ``kind`` copy per expert, as
     ``apply_weight_precision`` does for linears (``release``: the stacked parameters become
-    ``CompactWeight``s of those copies, else their float values are rounded to the copies'); the
-    CPU loop over experts reads the copies. Idempotent; returns how many ``Experts`` modules
-    changed."""
+    ``CompactWeight``s of those copies, else their float values are rounded to the copies'); on
+    the CPU, ``SparseMoE`` runs them in one C++ call (``kernels.cpu.moe_experts``). Idempotent;
+    returns how many ``Experts`` modules changed."""
     if kind not in PRECISIONS:
         raise ValueError(f"weight precision must be one of {PRECISIONS}, got {kind!r}")
     n = 0
