@@ -15,9 +15,11 @@ Two measurements, each against its baseline in the same run (samples interleaved
   bfloat16 product (bfloat16 in and out: the old ``--dtype bfloat16`` path);
 * **a sparse MoE layer's routed experts** (with ``--lowp`` too): 64 experts of 512 (gated) on
   d 1536, top 6, at 1, 8 and 64 tokens per call, each call with new tokens (so new experts, read
-  from DRAM), in float32 (the engine's loop: the C++ GEMV for an expert's one or two rows,
-  ``F.linear`` beyond; and ``F.linear`` throughout, the twins) and with the per-expert int8
-  and bfloat16 copies of ``lowp_linear.apply_expert_precision``;
+  from DRAM), in float32 and with the int8 and bfloat16 copies of
+  ``lowp_linear.apply_expert_precision``, each as the engine runs it (one C++ call for the layer,
+  ``kernels.cpu.moe_experts``) and through the per-expert Python loop (``impl="loop"``: the C++
+  GEMV for an expert's one or two float32 rows, ``F.linear`` beyond, or the copies' kernels);
+  and ``F.linear`` for every expert (the twins);
 * **the MC block readout** (``readout_paged``: Σ_n w_n · S_nᵀ q over 512 cached 64 × 64 states
   per head, 4 heads, 4 layers, as ``grm`` at 32K context), with the pools on ordinary 4 KiB pages
   (``torch.zeros``) and on transparent huge pages (``kernels.cpu.zeros``).
@@ -135,11 +137,14 @@ def bench_moe(shape: dict, tokens: int, repeats: int) -> dict:
     torch.manual_seed(0)
     base = SparseMoE(shape["d_model"], shape["n_experts"], shape["top_k"],
                      shape["intermediate"], routing="softmax_topk").eval()
-    mods = {"float32 (engine: C++ GEMV / F.linear)": base}
-    for kind in ("int8", "bf16"):
-        m = copy.deepcopy(base)
-        apply_expert_precision(m, kind, min_numel=1)
-        mods[f"{kind} copies (C++ kernels)"] = m
+    mods = {}
+    for kind in ("float32", "int8", "bf16"):
+        for label, impl in (("one C++ call (engine)", "auto"), ("per-expert loop", "loop")):
+            m = copy.deepcopy(base)  # the loop: C++ GEMV / F.linear, or the copies' kernels
+            m.impl = impl
+            if kind != "float32":
+                apply_expert_precision(m, kind, min_numel=1)
+            mods[f"{kind}, {label}"] = m
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(tokens, shape["d_model"], generator=g) for _ in range(16)]
 
@@ -160,7 +165,7 @@ def bench_moe(shape: dict, tokens: int, repeats: int) -> dict:
 def print_moe(moe: list[dict], threads: int) -> None:
     rows = []
     for r in moe:
-        base = r["results"]["float32 (engine: C++ GEMV / F.linear)"]["median"]
+        base = r["results"]["float32, one C++ call (engine)"]["median"]
         for k, v in r["results"].items():
             rows.append([r["tokens"], k, fmt_time(v["median"]), f"{base / v['median']:.2f}x"])
     sh = moe[0]["shape"]

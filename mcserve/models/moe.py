@@ -77,8 +77,11 @@ call, so a static CUDA-graph decode step cannot capture it), and ``"grouped"``, 
 projection (no host sync; reads each chosen expert once per pair, so it pays only while the
 pairs are few: a decode step). ``"auto"`` (the default) takes the grouped one where
 ``F.grouped_mm`` runs (bfloat16 on CUDA, SM 80+, rows a multiple of 8), else on CUDA the
-gathered one while the pairs are no more than the experts (``max_sync_free_tokens``), and the
-loop elsewhere. With sigmoid routing the router and
+gathered one while the pairs are no more than the experts (``max_sync_free_tokens``), on the CPU
+``"cpu"``: the whole routed part in one C++ call (``kernels.cpu.moe_experts``: the pairs grouped
+by expert, each expert's rows in one product from its int8 / bfloat16 copies or the float32
+stacks, the activation and the weighted sum; silu, relu² and relu, inference only), and the
+loop elsewhere (and where that call does not apply). With sigmoid routing the router and
 ``e_score_correction_bias`` stay float32 through ``.to(dtype)`` (``router_fp32``), as
 transformers keeps them. :func:`naive_moe` is the same sum written out per token and per chosen
 expert, for the tests.
@@ -97,9 +100,9 @@ from mcserve.models.compact_weight import CompactWeight
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid")
 #: how the experts run: "loop" (one matmul pair per expert with tokens; reads the counts on the
-#: host), "grouped" (``F.grouped_mm`` over the expert offsets, no host sync), "auto" (grouped
-#: where ``F.grouped_mm`` runs: bfloat16 on CUDA, SM 80+; the loop elsewhere)
-IMPLS = ("auto", "loop", "grouped", "gathered")
+#: host), "cpu" (one C++ call for the layer), "grouped" (``F.grouped_mm`` over the expert
+#: offsets, no host sync), "gathered", "auto" (the module docstring)
+IMPLS = ("auto", "loop", "cpu", "grouped", "gathered")
 
 
 def _relu2(x: Tensor) -> Tensor:
@@ -351,6 +354,8 @@ class SparseMoE(nn.Module):
             return "grouped"
         if h.is_cuda and h.shape[0] * self.top_k <= self.n_experts:
             return "gathered"
+        if h.is_cpu and self.act_code is not None:
+            return "cpu"
         return "loop"
 
     def max_sync_free_tokens(self, dtype: torch.dtype, device: torch.device) -> int | None:
@@ -358,7 +363,7 @@ class SparseMoE(nn.Module):
         step can hold): no bound (None) where the grouped path runs or a sync-free one is
         forced, else the gathered path's ``n_experts // top_k`` on CUDA (0 elsewhere: the loop
         syncs)."""
-        if self.impl == "loop":
+        if self.impl in ("loop", "cpu"):
             return 0
         if self.impl != "auto" or self._grouped_runs(dtype, device):
             return None
@@ -371,9 +376,11 @@ class SparseMoE(nn.Module):
 
     def _cpu_experts(self, h: Tensor, idx: Tensor, w: Tensor) -> Tensor | None:
         """Every routed expert in one C++ call (``kernels.cpu.moe_experts``) where it applies:
-        inference on float32 rows with the experts' int8 / bfloat16 copies, or with float32
-        experts held as such; None elsewhere (the loop runs)."""
+        inference on float32 CPU rows with the experts' int8 / bfloat16 copies, or with float32
+        experts held as such, an activation the call has; None elsewhere (the loop runs)."""
         ex = self.experts
+        if self.act_code is None or not h.is_cpu:
+            return None
         compact = ex.compact(h)
         if compact is not None:
             return cpu_ops.moe_experts(h, idx, w.float(), compact.w_in_data, compact.w_in_scales,
@@ -433,13 +440,13 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         idx, w = self.route(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        if self.act_code is not None and h.is_cpu and self._impl(h) == "loop":
+        impl = self._impl(h)
+        if impl == "cpu":
             out = self._cpu_experts(h, idx, w)
             if out is not None:
                 return self._finish(x, out.to(h.dtype), shape)
         order, tok = self._sorted(idx)
         hs = h.index_select(0, tok)
-        impl = self._impl(h)
         if impl == "grouped":
             ys = self._experts_grouped(hs, idx)
         elif impl == "gathered":
