@@ -31,7 +31,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def levels(kind: str) -> list[int]:
     """The implementation levels of ``kind`` this CPU runs under this build's cap
-    (``MCSERVE_CPU_ISA``): 0 scalar .. 3 VNNI / BF16."""
+    (``MCSERVE_CPU_ISA``): 0 scalar .. 3 VNNI / BF16, 4 AMX-BF16 (bf16 only)."""
     return list(range(int(cpu.lowp_info()[f"{kind}_impl"]) + 1))
 
 
@@ -106,9 +106,10 @@ def test_bf16_kernel_matches_twin_at_every_level(B, N, K):
     want = twins.linear_bf16(x, wb, s, b)
     for impl in levels("bf16"):
         y = cpu.ops().bf16_linear(x, wb, s, b, impl)
-        # levels 0-2 multiply by the exact float32 x; level 3 (vdpbf16ps) rounds x to bfloat16
+        # levels 0-2 multiply by the exact float32 x; levels 3 (vdpbf16ps) and 4 (AMX tiles)
+        # round x to bfloat16
         assert rel(y, want) < (1e-5 if impl < 3 else 1e-2), impl
-        if impl == 3:
+        if impl >= 3:
             assert rel(y, twins.linear_bf16(x.bfloat16().float(), wb, s, b)) < 1e-5
     assert torch.equal(cpu.linear_bf16(x, wb, s, b), cpu.ops().bf16_linear(x, wb, s, b, -1))
 
@@ -127,6 +128,33 @@ def test_kernels_are_batch_invariant(kind):
         for n in (1, 2, 3, 5, 8, 13, 16, 17):
             assert torch.equal(op(x[:n], impl), full[:n]), (impl, n)
         assert torch.equal(op(x[7:8], impl), full[7:8])
+
+
+@needs_ops
+@pytest.mark.parametrize("B,N,K", [(70, 1000, 777), (33, 48, 64), (16, 17, 1)],
+                         ids=["tails", "whole-tiles", "k1"])
+def test_bf16_amx_tiles_match_twin_on_any_rows_and_threads(B, N, K):
+    """AMX-BF16 (level 4): two row tiles and one, an odd last block, a partial last pair-step;
+    every row the twin's on bfloat16-rounded x, the same bits alone, in any batch and however
+    many threads split the blocks."""
+    info = cpu.lowp_info()
+    if int(info["bf16_impl"]) < 4:
+        pytest.skip(f"needs a CPU with AMX-BF16 (here: {info['amx_note'] or 'capped'})")
+    g = torch.Generator().manual_seed(B + N + K)
+    wb = twins.pack_pairs(torch.randn(N, K, generator=g).bfloat16())
+    s = torch.rand(N, generator=g) + 0.5
+    x = torch.randn(B, K, generator=g)
+    b = torch.randn(N, generator=g)
+    full = cpu.ops().bf16_linear(x, wb, s, b, 4)
+    assert rel(full, twins.linear_bf16(x.bfloat16().float(), wb, s, b)) < 1e-5
+    for n in (1, 5, 16, 17, 32):
+        assert torch.equal(cpu.ops().bf16_linear(x[B - n:], wb, s, b, 4), full[B - n:]), n
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.ops().bf16_linear(x, wb, s, b, 4), full)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_ops

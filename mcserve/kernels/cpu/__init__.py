@@ -39,8 +39,8 @@ _DIR = Path(__file__).parent
 #: ops by kind (ops.h; helpers in common.h), the low-precision products (lowp.cpp / lowp.h) and
 #: the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
 _SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
-                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "experts.cpp",
-                                    "sampling.cpp"))
+                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "amx.cpp",
+                                    "experts.cpp", "sampling.cpp"))
 _HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -147,10 +147,11 @@ def _build_name() -> tuple[str, list[str]]:
 
 
 #: the highest implementation level of the low-precision kernels (lowp.cpp: 0 scalar, 1 AVX2,
-#: 2 AVX-512, 3 AVX-512 VNNI / BF16) each ``MCSERVE_CPU_ISA`` build may use: ``avx2`` and
-#: ``avx512`` run as such a CPU would; ``native`` and ``portable`` take what the CPU reports at
-#: run time (those kernels pick their instruction set then, so a portable build stays portable)
-LOWP_LEVELS = {"portable": 3, "avx2": 1, "avx512": 2, "native": 3}
+#: 2 AVX-512, 3 AVX-512 VNNI / BF16, 4 AMX-BF16 (bfloat16 only)) each ``MCSERVE_CPU_ISA`` build
+#: may use: ``avx2`` and ``avx512`` run as such a CPU would; ``native`` and ``portable`` take what
+#: the CPU reports at run time (those kernels pick their instruction set then, so a portable
+#: build stays portable)
+LOWP_LEVELS = {"portable": 4, "avx2": 1, "avx512": 2, "native": 4}
 
 
 def isa() -> str:
@@ -362,9 +363,10 @@ def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
 
 def lowp_info() -> dict[str, object]:
     """What the low-precision kernels run on here: the CPU's features as they see them
-    (``avx2_fma``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``), the implementation level each
-    product uses (``int8_impl``, ``bf16_impl``: 0 scalar, 1 AVX2, 2 AVX-512, 3 VNNI / BF16), the
-    cap ``MCSERVE_CPU_ISA`` sets and why a level was dropped; ``{}`` without the C++ ops."""
+    (``avx2_fma``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``, ``amx_bf16`` with
+    ``amx_note``: why not, when not), the implementation level each product uses (``int8_impl``,
+    ``bf16_impl``: 0 scalar, 1 AVX2, 2 AVX-512, 3 VNNI / BF16, 4 AMX-BF16 tiles), the cap
+    ``MCSERVE_CPU_ISA`` sets and why a level was dropped; ``{}`` without the C++ ops."""
     m = ops()
     return {} if m is None else dict(m.lowp_info())
 

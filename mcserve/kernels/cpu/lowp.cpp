@@ -19,8 +19,9 @@
 // vpaddd, or a scalar loop. y = (double) sum · (sx · sw) + bias, rounded to float. Every
 // implementation and every batch size give bit-identical rows.
 //
-// bfloat16: AVX512-BF16's vdpbf16ps (x rounded to bfloat16, products exact, float32 sums), or
-// the weights widened to float32 (16-bit shifts) and multiplied with the float32 x by FMA
+// bfloat16: AMX-BF16's tile products (amx.cpp: the packed blocks are its weight tiles as they
+// are) or AVX512-BF16's vdpbf16ps (both: x rounded to bfloat16, products exact, float32 sums),
+// or the weights widened to float32 (16-bit shifts) and multiplied with the float32 x by FMA
 // (AVX-512F, AVX2), or a scalar loop; y = sum · s + bias (s is 1 for plain bfloat16 weights).
 //
 // Portability: the vector code is compiled per instruction set with target attributes, whatever
@@ -62,7 +63,8 @@ namespace {
 
 // ------------------------------------------------------------------------ CPU features
 struct Features {
-  bool avx2 = false, avx512 = false, vnni = false, bf16 = false;
+  bool avx2 = false, avx512 = false, vnni = false, bf16 = false, amx = false;
+  std::string amx_note;  // why AMX-BF16 is not used, when it is not
 };
 
 Features detect() {
@@ -77,10 +79,20 @@ Features detect() {
   f.bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
 #endif
+  // level 4 implies level 3's instructions (outer_bf16_, the BF16 conversions): every AMX CPU
+  // has them, a VM that hides them loses both
+  if (f.bf16) f.amx = amx_bf16_usable(&f.amx_note);
+  else f.amx_note = "no AVX512-BF16";
   return f;
 }
 
-std::atomic<int> g_cap{3};      // highest level set_cap allows (MCSERVE_CPU_ISA)
+// detect() once: the AMX permission request is a system call
+const Features& features() {
+  static const Features f = detect();
+  return f;
+}
+
+std::atomic<int> g_cap{4};      // highest level set_cap allows (MCSERVE_CPU_ISA)
 int g_q8_max = 0, g_bf_max = 0;  // highest level the CPU runs and the self-test passed
 std::string g_probe_note;
 std::once_flag g_probe_once;
@@ -520,16 +532,23 @@ void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, 
             const float* sw, const float* bias, float* y, int impl) {
   const int64_t Kx = round_up(2 * KP, 32);
   torch::Tensor buf;
+  if (impl >= 3) {  // x rounded to bfloat16; AMX's tiles take whole tiles of 16 rows
+    const int64_t rows = impl == 4 ? round_up(B, 16) : B;
+    uint16_t* xb = scratch<uint16_t>(buf, rows * Kx);
+    at::parallel_for(0, B, std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, 4 * K)),
+                     [&](int64_t b0, int64_t b1) {
+                       for (int64_t b = b0; b < b1; ++b) {
+                         for (int64_t k = 0; k < K; ++k)
+                           xb[b * Kx + k] = c10::BFloat16(x[b * K + k]).x;
+                         std::memset(xb + b * Kx + K, 0, sizeof(uint16_t) * (Kx - K));
+                       }
+                     });
+    std::memset(xb + B * Kx, 0, sizeof(uint16_t) * (rows - B) * Kx);
+    if (impl == 4) return amx_bf16_rows(P, N, KP, xb, Kx, B, sw, bias, y);
 #if defined(MCSERVE_X86) && defined(MCSERVE_BF16_DP)
-  if (impl == 3) {
-    uint16_t* xb = scratch<uint16_t>(buf, B * Kx);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t k = 0; k < K; ++k) xb[b * Kx + k] = c10::BFloat16(x[b * K + k]).x;
-      std::memset(xb + b * Kx + K, 0, sizeof(uint16_t) * (Kx - K));
-    }
     return bf_drive<BfDot>(P, N, KP, xb, Kx, B, sw, bias, y);
-  }
 #endif
+  }
   float* xf = scratch<float>(buf, B * Kx);  // rows padded to whole pairs with zeros
   for (int64_t b = 0; b < B; ++b) {
     std::memcpy(xf + b * Kx, x + b * K, sizeof(float) * K);
@@ -560,9 +579,9 @@ std::vector<T> pack(const std::vector<T>& w, int64_t N, int64_t K) {
 // the scalar kernel once; a level that disagrees (a CPU or VM that misreports a feature, a
 // compiler bug) is never used
 void probe() {
-  const Features f = detect();
+  const Features& f = features();
   int q8 = f.vnni ? 3 : f.avx512 ? 2 : f.avx2 ? 1 : 0;
-  int bf = f.bf16 ? 3 : f.avx512 ? 2 : f.avx2 ? 1 : 0;
+  int bf = f.amx ? 4 : f.bf16 ? 3 : f.avx512 ? 2 : f.avx2 ? 1 : 0;
   const int64_t N = 75, K = 77, B = 13, KP = (K + 1) / 2;
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -586,7 +605,7 @@ void probe() {
   // bfloat16: against the scalar kernel on x rounded as the level rounds it
   std::vector<float> xr(x);
   for (int lvl = bf; lvl > 0; --lvl) {
-    const bool rounds = lvl == 3;
+    const bool rounds = lvl >= 3;
     for (size_t i = 0; i < x.size(); ++i)
       xr[i] = rounds ? static_cast<float>(c10::BFloat16(x[i])) : x[i];
     bf_raw(xr.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
@@ -782,9 +801,9 @@ void bind(pybind11::module& m) {
         pybind11::arg("X"), pybind11::arg("w"), pybind11::arg("q"),
         pybind11::arg("impl") = -1);
   m.def("lowp_set_cap", [](int64_t level) { g_cap.store(static_cast<int>(level)); },
-        "highest implementation level the low-precision kernels may pick (0..3)");
+        "highest implementation level the low-precision kernels may pick (0..4)");
   m.def("lowp_info", []() {
-    const Features f = detect();
+    const Features& f = features();
     pybind11::dict d;
     d["int8_impl"] = q8_best();
     d["bf16_impl"] = bf_best();
@@ -795,6 +814,8 @@ void bind(pybind11::module& m) {
     d["avx512"] = f.avx512;
     d["avx512_vnni"] = f.vnni;
     d["avx512_bf16"] = f.bf16;
+    d["amx_bf16"] = f.amx;
+    d["amx_note"] = f.amx_note;
     d["note"] = g_probe_note;
     return d;
   }, "what the CPU reports, the implementations chosen and why any was dropped");

@@ -6,6 +6,9 @@
 #include <pybind11/pybind11.h>
 #include <torch/types.h>
 
+#include <cstdint>
+#include <string>
+
 namespace mcserve_lowp {
 
 // Weights are packed in blocks of 16 output rows, k-pair by k-pair: (ceil(N/16), ceil(K/2), 16,
@@ -21,8 +24,8 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
 
 // y (B, N) = x (B, K) · (weight · scales)ᵀ + bias for a bfloat16 weight, float32 sums. impl:
 // -1 best, 0 scalar, 1 AVX2+FMA, 2 AVX-512F (these three multiply by the exact float32 x), 3
-// AVX512-BF16 (vdpbf16ps: x rounded to bfloat16 first). A row gives the same result at any batch
-// size.
+// AVX512-BF16 (vdpbf16ps), 4 AMX-BF16 (amx.cpp's tiles; 3 and 4 round x to bfloat16 first). A
+// row gives the same result at any batch size.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                           int64_t impl);
@@ -57,6 +60,14 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
                           const torch::Tensor& w_in, const c10::optional<torch::Tensor>& s_in,
                           const torch::Tensor& down, const c10::optional<torch::Tensor>& s_down,
                           bool gated, int64_t act);
+
+// amx.cpp: whether this CPU, OS and process run AMX-BF16 tiles (why not, when not), and
+// y (B, N) = xb (B, K) · (P · sw)ᵀ + bias on them for a packed bfloat16 weight P ((ceil(N/16),
+// KP, 16, 2)); xb is x rounded to bfloat16, rows of stride Kx (a multiple of 32, zero-padded
+// from 2·KP) and zero rows up to a multiple of 16. Call only where amx_bf16_usable() said so.
+bool amx_bf16_usable(std::string* why);
+void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb, int64_t Kx,
+                   int64_t B, const float* sw, const float* bias, float* y);
 
 void bind(pybind11::module& m);
 
