@@ -407,7 +407,8 @@ def compare_precisions(args: argparse.Namespace) -> None:
     lw = isa["lowp"]
     print(f"instruction sets: mcserve C++ kernels {isa['mcserve_cpu_kernels']} (int8 level "
           f"{lw.get('int8_impl')}, bf16 level {lw.get('bf16_impl')}: 0 scalar, 1 AVX2, 2 AVX-512, "
-          f"3 VNNI / BF16), torch {isa['torch_cpu_capability']}; llama.cpp: {isa['llama_cpp']}")
+          f"3 VNNI / BF16, 4 AMX-BF16), torch {isa['torch_cpu_capability']}; "
+          f"llama.cpp: {isa['llama_cpp']}")
     print_table(rows, ["", *names] + [f"{a.split()[-1]} / {b}" for a, b in ratio_cols],
                 title="tokens/s by weight precision, same weights, same run")
     print("greedy tokens agreeing with mcserve float32 (random weights): "

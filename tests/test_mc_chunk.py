@@ -208,8 +208,9 @@ def test_chunk_bf16_readout_matches_naive_twin(monkeypatch, variant):
     """``readout_dtype=bfloat16`` (the CPU's bfloat16 prefill): the cached readout's GEMMs read
     bfloat16 operands, so y moves by bfloat16 rounding (and does move: the path is taken) but
     stays within it of the float64 twin; the states and key sums are those of float32."""
-    monkeypatch.setattr(mc_chunk, "_TOKEN_TILE", 16)
-    monkeypatch.setattr(mc_chunk, "_X_BLOCK", 3)
+    for tile, block in (("_TOKEN_TILE", "_X_BLOCK"), ("_AMX_TOKEN_TILE", "_AMX_X_BLOCK")):
+        monkeypatch.setattr(mc_chunk, tile, 16)  # the tile sizes with and without AMX
+        monkeypatch.setattr(mc_chunk, block, 3)
     gen = torch.Generator().manual_seed(11)
     B, T, H, K, V, C = 2, 61, 3, 8, 5, 4
     q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)

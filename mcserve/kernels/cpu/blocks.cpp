@@ -5,6 +5,8 @@
 #include "lowp.h"
 #include "ops.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -105,28 +107,32 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  std::vector<float> h(group);
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t g0 = 0; g0 < D; g0 += group) {
-      const float* xr = xp + r * xs + g0;
-      const float* zr = zp ? zp + r * zs + g0 : nullptr;
-      float ss = 0.f;
-      for (int64_t c = 0; c < group; ++c) {
-        float v = xr[c];
-        if (zr && !norm_before_gate) v *= silu(zr[c]);
-        h[c] = v;
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(group) + static_cast<float>(eps));
-      float* yr = yp + r * D + g0;
-      for (int64_t c = 0; c < group; ++c) {
-        float v = h[c] * inv;
-        if (wp) v *= wp[w_full ? g0 + c : c];
-        if (zr && norm_before_gate) v *= silu(zr[c]);
-        yr[c] = v;
+  // rows split over torch's threads (a long prefill's norms); each row's sums as before
+  at::parallel_for(0, R, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, D)),
+                   [&](int64_t r0, int64_t r1) {
+    std::vector<float> h(group);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g0 = 0; g0 < D; g0 += group) {
+        const float* xr = xp + r * xs + g0;
+        const float* zr = zp ? zp + r * zs + g0 : nullptr;
+        float ss = 0.f;
+        for (int64_t c = 0; c < group; ++c) {
+          float v = xr[c];
+          if (zr && !norm_before_gate) v *= silu(zr[c]);
+          h[c] = v;
+          ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(group) + static_cast<float>(eps));
+        float* yr = yp + r * D + g0;
+        for (int64_t c = 0; c < group; ++c) {
+          float v = h[c] * inv;
+          if (wp) v *= wp[w_full ? g0 + c : c];
+          if (zr && norm_before_gate) v *= silu(zr[c]);
+          yr[c] = v;
+        }
       }
     }
-  }
+  });
   return y;
 }
 
