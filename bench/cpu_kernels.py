@@ -107,7 +107,7 @@ def bench_lowp(shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
         fns[f"int8 C++ {LEVEL_NAMES[lvl]}"] = lambda lvl=lvl: [
             m.q8_linear(xs[w.shape[1]], q, s, None, lvl) for w, (q, s) in zip(ws, qs)]
     for lvl in range(int(info["bf16_impl"]), 0, -1):
-        name = {4: "AMX tiles", 3: "BF16 dot"}.get(lvl, LEVEL_NAMES[lvl] + " FMA")
+        name = {4: "AMX tiles", 3: "BF16 dot"}.get(lvl) or LEVEL_NAMES[lvl] + " FMA"
         fns[f"bf16 C++ {name}"] = lambda lvl=lvl: [
             m.bf16_linear(xs[w.shape[1]], p, s, None, lvl) for w, (p, s) in zip(bfs, bps)]
     if packed_linear.available() and packed_linear.bf16_packing_supported():
