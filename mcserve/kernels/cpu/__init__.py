@@ -326,8 +326,8 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
                 ) -> Tensor:
     """x ``(..., K)`` float32 · (weight · scales ``(N,)``)ᵀ + bias with float32 sums (twin
     ``twins.linear_bf16``; weight bfloat16 in ``twins.pack_pairs``' layout), any number of rows:
-    AVX512-BF16's dot product (x rounded to bfloat16) where the CPU has it, else the exact
-    float32 x by FMA; a row's result does not depend on the batch size."""
+    AMX-BF16 tiles or AVX512-BF16's dot product (x rounded to bfloat16) where the CPU has them,
+    else the exact float32 x by FMA; a row's result does not depend on the batch size."""
     m = ops()
     if m is None or not _f32_cpu(x, scales, bias) or not _packed_ok(x, weight, scales,
                                                                     torch.bfloat16):
