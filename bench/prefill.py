@@ -17,7 +17,10 @@ segments of C=64 tokens) takes a prefill chunk of ``--chunk`` tokens after N cac
   (``mc_chunk._readout_dense``, the CPU's).
 
 ``--bf16-readout`` gives the dense readout bfloat16 GEMM operands (``MCMemory.readout_dtype``,
-what ``--dtype bfloat16`` sets on a CPU with BF16 dot products).
+what ``--dtype bfloat16`` sets on a CPU with BF16 dot products). On a CPU with AMX tiles the
+readout then runs as one C++ pass per tile (``kernels.cpu.readout_bf16_``); one more form times
+``grm`` the other way, **X buffer**: the weighted queries written to a buffer and multiplied by
+oneDNN's bfloat16 GEMMs (what CPUs without AMX run).
 
 All give the same outputs (``tests/test_mc_chunk.py``). Samples of the forms are interleaved
 (``common.timeit_many``), so the ratio holds on a loaded machine even when the seconds drift.
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import env_info, env_line, print_table, set_threads, timeit_many, write_json  # noqa: E402
 
 from mcserve.config import MCConfig  # noqa: E402
-from mcserve.kernels import mc_chunk  # noqa: E402
+from mcserve.kernels import cpu, mc_chunk  # noqa: E402
 from mcserve.models.mc import MCMemory  # noqa: E402
 from mcserve.models.memory.linear import LinearMemory  # noqa: E402
 
@@ -82,6 +85,15 @@ def span_weights(mc: MCMemory, st, inputs) -> None:
         one_pass(mc, st, inputs)
     finally:
         mc_chunk._readout_dense = tiled
+
+
+def x_buffer(mc: MCMemory, st, inputs) -> None:
+    fused = mc_chunk.cpu_ops.readout_bf16_fused
+    mc_chunk.cpu_ops.readout_bf16_fused = lambda K, V: False
+    try:
+        one_pass(mc, st, inputs)
+    finally:
+        mc_chunk.cpu_ops.readout_bf16_fused = fused
 
 
 def per_segment(mc: MCMemory, st, inputs) -> None:
@@ -123,18 +135,25 @@ def main(argv: list[str] | None = None) -> dict:
                        "per_segment": functools.partial(per_segment, *case)}
                 if variant == "grm":
                     fns["span_weights"] = functools.partial(span_weights, *case)
+                    if args.bf16_readout and cpu.readout_bf16_fused(K, V):
+                        fns["x_buffer"] = functools.partial(x_buffer, *case)
                 t = timeit_many(fns, repeats=args.repeats, warmup=1, min_sample_s=0.0)
+                d = t["x_buffer"]["median"] if "x_buffer" in t else None
                 a, b = t["one_pass"]["median"], t["per_segment"]["median"]
                 c = t["span_weights"]["median"] if "span_weights" in t else None
                 rows.append([n, variant, f"{a * 1e3:.0f}", f"{b * 1e3:.0f}", f"{a / b:.2f}",
                              "-" if c is None else f"{c * 1e3:.0f}",
-                             "-" if c is None else f"{a / c:.2f}"])
+                             "-" if c is None else f"{a / c:.2f}",
+                             "-" if d is None else f"{d * 1e3:.0f}",
+                             "-" if d is None else f"{a / d:.2f}"])
                 results.append({"cached": n, "variant": variant, "chunk": args.chunk,
                                 "one_pass": t["one_pass"], "per_segment": t["per_segment"],
                                 "ratio": a / b, "span_weights": t.get("span_weights"),
-                                "ratio_to_span_weights": None if c is None else a / c})
+                                "ratio_to_span_weights": None if c is None else a / c,
+                                "x_buffer": t.get("x_buffer"),
+                                "ratio_to_x_buffer": None if d is None else a / d})
     print_table(rows, ["cached N", "variant", "one pass ms", "per segment ms", "ratio",
-                       "span-wide weights ms", "ratio"],
+                       "span-wide weights ms", "ratio", "X buffer ms", "ratio"],
                 title=f"MC layer prefill of {args.chunk} tokens (H={H}, K=V={K}, C={C}"
                       f"{', bf16 readout' if args.bf16_readout else ''}), median")
     data = {"env": env, "threads": threads, "args": vars(args), "results": results}

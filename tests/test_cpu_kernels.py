@@ -440,6 +440,34 @@ def test_topk_later_matches_twin(R, N):
         twins.topk_later(r, 0)
 
 
+@pytest.mark.parametrize("A,T,n,N,K,V", [(1, 1, 1, 1, 32, 16), (3, 17, 5, 7, 64, 64),
+                                          (2, 33, 9, 9, 32, 80), (4, 40, 3, 4, 96, 48)],
+                         ids=["one", "odd", "v80", "k96"])
+def test_readout_bf16_matches_twin(A, T, n, N, K, V):
+    """The bfloat16 cached readout of a prefill tile on AMX tiles against its twin: token tiles
+    with a partial last one, V in several 64-wide passes and a partial pass, checkpoints beyond
+    n ignored, o / w / q read through strides and only added into."""
+    info = cpu.lowp_info()
+    if not cpu.readout_bf16_fused(K, V):
+        pytest.skip(f"needs a CPU with AMX-BF16 (here: {info.get('amx_note') or 'capped'})")
+    g = torch.Generator().manual_seed(A * 100 + T + K)
+    S = twins.pair_keys(torch.randn(A, N, K, V, generator=g))
+    w = torch.rand(A, T + 2, n + 3, generator=g)[:, 1:T + 1, :n]
+    q = torch.randn(A, T, K + 5, generator=g)[..., 5:]
+    base = torch.randn(A, T + 1, V, generator=g)
+    want = twins.readout_bf16_(base[:, 1:].clone(), w, q, S)
+    got_base = base.clone()
+    cpu.readout_bf16_(got_base[:, 1:], w, q, S)
+    torch.testing.assert_close(got_base[:, 1:], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_base[:, 0], base[:, 0])  # the row before the view untouched
+    # float32 sums of the same bfloat16 products: far closer to the twin than bfloat16's step
+    plain = (w[..., None] * q[:, :, None, :]).reshape(A, T, n * K)
+    exact = base[:, 1:] + plain @ S[:, :n].transpose(-1, -2).reshape(A, n * K, V).float()
+    assert (got_base[:, 1:] - exact).abs().max() < 5e-2 * exact.abs().max()
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        cpu.ops().readout_bf16_amx_(base[:, 1:, :V - 1], w, q, S)
+
+
 @pytest.mark.parametrize("A,T,n,K", [(1, 1, 1, 1), (3, 7, 5, 37), (4, 9, 16, 64), (2, 3, 2, 48)],
                          ids=["one", "odd", "readout", "k48"])
 def test_outer_bf16_matches_twin(A, T, n, K):

@@ -203,16 +203,18 @@ def test_chunk_cpu_tiling_equals_naive_twin(monkeypatch, variant):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("K,V", [(8, 5), (32, 16)], ids=["k8", "k32-amx"])
 @pytest.mark.parametrize("variant", ["grm", "ssc"])
-def test_chunk_bf16_readout_matches_naive_twin(monkeypatch, variant):
+def test_chunk_bf16_readout_matches_naive_twin(monkeypatch, variant, K, V):
     """``readout_dtype=bfloat16`` (the CPU's bfloat16 prefill): the cached readout's GEMMs read
     bfloat16 operands, so y moves by bfloat16 rounding (and does move: the path is taken) but
-    stays within it of the float64 twin; the states and key sums are those of float32."""
+    stays within it of the float64 twin; the states and key sums are those of float32. K = 32,
+    V = 16 take the AMX tiles' one pass where the CPU has them."""
     for tile, block in (("_TOKEN_TILE", "_X_BLOCK"), ("_AMX_TOKEN_TILE", "_AMX_X_BLOCK")):
         monkeypatch.setattr(mc_chunk, tile, 16)  # the tile sizes with and without AMX
         monkeypatch.setattr(mc_chunk, block, 3)
     gen = torch.Generator().manual_seed(11)
-    B, T, H, K, V, C = 2, 61, 3, 8, 5, 4
+    B, T, H, C = 2, 61, 3, 4
     q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)
     st = dict(initial_state=torch.randn(B, H, K, V, generator=gen),
               initial_ksum=torch.randn(B, H, K, generator=gen), initial_fill=2,

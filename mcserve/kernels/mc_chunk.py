@@ -276,18 +276,30 @@ def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_
     readout (``_readout_blocks``' X = [w_n·q_t]_n GEMMs), so no ``(L, H, N)`` score or weight
     tensor is ever whole (at 8K tokens and 128 checkpoints each is 16 MiB per head, and the
     unfused form passes over five of them). The checkpoints are laid out head-major once,
-    straight from their parts (rounded to ``dtype`` on the way)."""
+    straight from their parts (rounded to ``dtype`` on the way). bfloat16 on a CPU with AMX
+    tiles: each tile's weighted readout is one C++ pass (``kernels.cpu.readout_bf16_``, the
+    checkpoints in key pairs), with no X buffer and float32 sums throughout."""
     B, L, H, K = q.shape
     V = S[0].shape[-1]
     N = sum(s.shape[1] for s in S)
     low = dtype is not None and dtype != q.dtype
+    # bfloat16 on AMX tiles: one C++ pass per tile, checkpoints in key pairs
+    fused = low and dtype == torch.bfloat16 and cpu_ops.readout_bf16_fused(K, V)
     BH = B * H
-    Sx = torch.empty((B, H, N, K, V), dtype=dtype if low else q.dtype, device=q.device)
+    if fused:
+        Sx = torch.empty((B, H, N, K // 2, V, 2), dtype=dtype, device=q.device)
+        dst = Sx.view(B, H, N, K // 2, V, 2).transpose(-1, -2)  # (.., K/2, 2, V) views
+    else:
+        Sx = torch.empty((B, H, N, K, V), dtype=dtype if low else q.dtype, device=q.device)
+        dst = Sx
     n = 0
     for part in S:
-        Sx[:, :, n:n + part.shape[1]].copy_(part.permute(0, 2, 1, 3, 4))
+        src = part.permute(0, 2, 1, 3, 4)
+        if fused:
+            src = src.reshape(B, H, part.shape[1], K // 2, 2, V)
+        dst[:, :, n:n + part.shape[1]].copy_(src)
         n += part.shape[1]
-    Sx = Sx.view(BH, N * K, V)
+    Sx = Sx.view(BH, N, K // 2, V, 2) if fused else Sx.view(BH, N * K, V)
     heads = lambda x: x.permute(0, 2, 1, 3).reshape(BH, x.shape[1], x.shape[3])  # noqa: E731
     qh, oh = heads(q), heads(o)  # (BH, L, K), (BH, L, V)
     uh = heads(u)
@@ -295,7 +307,8 @@ def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_
     ron = r_on.permute(0, 2, 1).reshape(BH, L)
     out = torch.empty(BH, L, V, dtype=q.dtype, device=q.device)
     tile, block = _x_tiles(low)
-    buf = torch.empty(BH * min(L, tile) * min(N, block) * K, dtype=Sx.dtype, device=q.device)
+    buf = torch.empty(0 if fused else BH * min(L, tile) * min(N, block) * K, dtype=Sx.dtype,
+                      device=q.device)
     pos = torch.arange(L, device=q.device) // segment_len + n_carried  # checkpoints t sees
     cols = torch.arange(N, device=q.device)
     for t0 in range(0, L, tile):
@@ -315,6 +328,9 @@ def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_
         inv = (w.sum(-1) + e_on).reciprocal_()
         w.mul_(inv[..., None])
         torch.mul(oh[:, t0:t1], (e_on * inv)[..., None], out=o_t)
+        if fused:
+            cpu_ops.readout_bf16_(o_t, w, qh[:, t0:t1], Sx)
+            continue
         for n0 in range(0, n_vis, block):
             n1 = min(n_vis, n0 + block)
             X = buf[:BH * T * (n1 - n0) * K].view(BH, T, n1 - n0, K)

@@ -361,6 +361,28 @@ def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
     return m.outer_bf16_(X, w, q)
 
 
+def readout_bf16_fused(K: int, V: int) -> bool:
+    """True when ``readout_bf16_`` runs in one C++ pass on AMX tiles for keys of K and values of
+    V (K a multiple of 32, V of 16, bfloat16 level 4 under the current cap)."""
+    m = ops()
+    return (m is not None and K % 32 == 0 and V % 16 == 0 and K > 0 and V > 0
+            and int(m.lowp_info()["bf16_impl"]) >= 4)
+
+
+def readout_bf16_(o: Tensor, w: Tensor, q: Tensor, S: Tensor) -> Tensor:
+    """o ``(A, T, V)`` += Σ_j bf16(w[:, :, j] ⊗ q) @ S[:, j] in place with float32 sums (twin
+    ``twins.readout_bf16_``, same signature; S in ``twins.pair_keys``' layout): the bfloat16
+    cached readout of an MC prefill tile. On AMX tiles (``readout_bf16_fused``) the weighted
+    queries are built 16 tokens × 32 keys at a time and multiplied at once, with no
+    ``(T, n, K)`` buffer and no rounding of the partial sums; the twin elsewhere."""
+    m = ops()
+    if (m is None or not readout_bf16_fused(q.shape[-1], o.shape[-1]) or not _f32_cpu(o, w, q)
+            or o.stride(-1) != 1 or w.stride(-1) != 1 or q.stride(-1) != 1
+            or S.dtype != torch.bfloat16 or not S.is_contiguous()):
+        return twins.readout_bf16_(o, w, q, S)
+    return m.readout_bf16_amx_(o, w, q, S)
+
+
 def lowp_info() -> dict[str, object]:
     """What the low-precision kernels run on here: the CPU's features as they see them
     (``avx2_fma``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``, ``amx_bf16`` with

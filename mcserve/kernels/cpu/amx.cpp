@@ -123,6 +123,79 @@ uint64_t xcr0() {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// The bfloat16 cached readout (readout_bf16_amx_): 16 tokens × NVT tiles of 16 outputs (NVT
+// <= 4) summed over `n` checkpoints. Per checkpoint and 32 keys the left tile A = bf16(w · q) is
+// built in `a` (16 rows of 32) with AVX512-BF16's conversion, then multiplied by each output
+// tile's 16 key-pairs of the checkpoint (B, stride sb bytes) into sums 0..NVT-1; tiles 5-7 take
+// the B tiles in turn. Rows of `a` at or beyond `rows` stay zero.
+template <int NVT>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"), noinline)) void readout_tiles(
+    const float* w, int64_t ws, const float* q, int64_t qs, int rows, int64_t n, int64_t K,
+    const uint16_t* S, int64_t s_ckpt, int64_t sb, uint16_t* a, float* c) {
+  for (int v = 0; v < NVT; ++v) {
+    if (v == 0) _tile_zero(0);
+    if (v == 1) _tile_zero(1);
+    if (v == 2) _tile_zero(2);
+    if (v == 3) _tile_zero(3);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      for (int r = 0; r < rows; ++r) {
+        const __m512 wv = _mm512_set1_ps(w[r * ws + j]);
+        const float* qr = q + r * qs + k0;
+        const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(qr), wv);
+        const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), wv);
+        _mm512_store_si512(a + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      _tile_loadd(4, a, 64);
+      // key-pairs k0/2 .. k0/2 + 15 of checkpoint j, output tile v: rows of sb bytes
+      const char* b = reinterpret_cast<const char*>(S + j * s_ckpt) + (k0 / 2) * sb;
+      _tile_loadd(5, b, sb);
+      _tile_dpbf16ps(0, 4, 5);
+      if (NVT > 1) {
+        _tile_loadd(6, b + 64, sb);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (NVT > 2) {
+        _tile_loadd(7, b + 128, sb);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (NVT > 3) {
+        _tile_loadd(5, b + 192, sb);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+  }
+  _tile_stored(0, c, 64);
+  if (NVT > 1) _tile_stored(1, c + 256, 64);
+  if (NVT > 2) _tile_stored(2, c + 512, 64);
+  if (NVT > 3) _tile_stored(3, c + 768, 64);
+}
+
+using ReadoutFn = void (*)(const float*, int64_t, const float*, int64_t, int, int64_t, int64_t,
+                           const uint16_t*, int64_t, int64_t, uint16_t*, float*);
+
+ReadoutFn readout_fn(int nvt) {
+  switch (nvt) {
+    case 1: return &readout_tiles<1>;
+    case 2: return &readout_tiles<2>;
+    case 3: return &readout_tiles<3>;
+    default: return &readout_tiles<4>;
+  }
+}
+
+// o rows += c, 16 outputs per tile
+__attribute__((target("avx512f"))) void add_rows(const float* c, int rows, float* o, int64_t os,
+                                                 int cols) {
+  const __mmask16 m = cols >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                 : static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < rows; ++r) {
+    float* orow = o + r * os;
+    _mm512_mask_storeu_ps(orow, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, orow),
+                                                 _mm512_load_ps(c + r * 16)));
+  }
+}
+
 }  // namespace
 
 bool amx_bf16_usable(std::string* why) {
@@ -193,6 +266,35 @@ void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb,
   });
 }
 
+void readout_bf16_amx(float* o, int64_t os0, int64_t os1, const float* w, int64_t ws0,
+                       int64_t ws1, const float* q, int64_t qs0, int64_t qs1, const uint16_t* S,
+                       int64_t A, int64_t T, int64_t n, int64_t N, int64_t K, int64_t V) {
+  const int64_t tiles = (T + 15) / 16;
+  const int64_t s_ckpt = (K / 2) * V * 2;  // bfloat16 values per checkpoint
+  const int64_t sb = V * 2 * static_cast<int64_t>(sizeof(uint16_t));  // bytes per key-pair row
+  // (head, tile of 16 tokens) units, head-major: a thread's tiles share their checkpoints
+  const int64_t work = std::max<int64_t>(1, n * K * V);
+  at::parallel_for(0, A * tiles, std::max<int64_t>(1, (1 << 20) / work), [&](int64_t u0,
+                                                                             int64_t u1) {
+    load_config(16);
+    alignas(64) uint16_t a[16 * 32] = {};
+    alignas(64) float c[4 * 256];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t h = u / tiles, t0 = (u % tiles) * 16;
+      const int rows = static_cast<int>(std::min<int64_t>(16, T - t0));
+      if (rows < 16) std::memset(a, 0, sizeof a);  // the rows past the tile's last token
+      for (int64_t v0 = 0; v0 < V; v0 += 64) {
+        const int nvt = static_cast<int>(std::min<int64_t>(4, (V - v0) / 16));
+        readout_fn(nvt)(w + h * ws0 + t0 * ws1, ws1, q + h * qs0 + t0 * qs1, qs1, rows, n, K,
+                        S + h * N * s_ckpt + v0 * 2, s_ckpt, sb, a, c);
+        for (int v = 0; v < nvt; ++v)
+          add_rows(c + v * 256, rows, o + h * os0 + t0 * os1 + v0 + v * 16, os1, 16);
+      }
+    }
+    release();
+  });
+}
+
 #else  // no AMX build: never usable, never called
 
 bool amx_bf16_usable(std::string* why) {
@@ -202,6 +304,10 @@ bool amx_bf16_usable(std::string* why) {
 
 void amx_bf16_rows(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                    const float*, const float*, float*) {}
+
+void readout_bf16_amx(float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
+                      int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                      int64_t, int64_t) {}
 
 #endif
 

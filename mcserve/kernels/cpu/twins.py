@@ -88,6 +88,24 @@ def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
     return torch.mul(w[..., None], q[:, :, None, :], out=X)
 
 
+def pair_keys(S: Tensor) -> Tensor:
+    """Checkpoints ``(A, N, K, V)`` in key pairs ``(A, N, K/2, V, 2)`` bfloat16 (K even): the
+    layout ``readout_bf16_`` reads."""
+    A, N, K, V = S.shape
+    return S.reshape(A, N, K // 2, 2, V).transpose(-1, -2).to(torch.bfloat16).contiguous()
+
+
+def readout_bf16_(o: Tensor, w: Tensor, q: Tensor, S: Tensor) -> Tensor:
+    """o ``(A, T, V)`` += Σ_j bf16(w[:, :, j] ⊗ q) @ S[:, j] in place, float32 sums: the
+    bfloat16 cached readout of a prefill tile. w ``(A, T, n)``, q ``(A, T, K)`` float32, S the
+    first n (or more) checkpoints ``(A, N, K/2, V, 2)`` in ``pair_keys``' layout."""
+    A, T, n = w.shape
+    K, V = q.shape[-1], S.shape[3]
+    X = outer_bf16_(torch.empty(A, T, n, K, dtype=torch.bfloat16, device=q.device), w, q)
+    plain = S[:, :n].transpose(-1, -2).reshape(A, n * K, V)
+    return o.add_(torch.bmm(X.view(A, T, n * K).float(), plain.float()))
+
+
 def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
                  b: Tensor | None) -> Tensor:
     """S ``(B, H, K, V)`` ← a·S + (b·k) vᵀ in place; returns o = Sᵀq ``(B, H, V)``.
