@@ -8,6 +8,10 @@
 // products over k in order, whatever the number of rows and however the blocks are split over
 // threads, so a row gives the same result at any batch size (rows only share the tile).
 //
+// The MC prefill's bfloat16 cached readout (readout_bf16_amx) runs on the same tiles: the left
+// tile is built from the weighted queries bf16(w · q) 32 keys at a time, the right tiles are a
+// checkpoint's key pairs, and the float32 sums of a tile of 16 tokens cover all its checkpoints.
+//
 // Where it runs: the CPU reports AMX-TILE and AMX-BF16 (CPUID leaf 7), the OS saves the tile
 // state (XCR0 bits 17 and 18) and, on Linux, grants this process the tile data permission
 // (arch_prctl ARCH_REQ_XCOMP_PERM): a VM or kernel that does not is found here, before any tile
