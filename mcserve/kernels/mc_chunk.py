@@ -40,8 +40,8 @@ _TOKEN_TILE = 256  # tokens per GEMM in the cached readout
 # checkpoints per GEMM: the CPU's weighted operand X (tile, block·K) stays cache-sized at
 # K = 64 (2K-8K prefill 35-40% faster than the read-then-weight form on a Zen 4 core)
 _X_BLOCK = 16
-# the bfloat16 operands on a CPU with AMX tiles (oneDNN's AMX GEMM gains from larger products):
-# 8K chunk after 128 checkpoints, 263 ms against 350 ms at the float32 sizes (2 Xeon cores)
+# the X-buffer form's sizes for bfloat16 operands on a CPU with AMX tiles, where oneDNN's AMX
+# GEMM gains from larger products (the readout's own AMX pass takes K and V it cannot)
 _AMX_TOKEN_TILE, _AMX_X_BLOCK = 512, 32
 _READ_BLOCK = 32  # checkpoints per GEMM of the read-then-weight form
 # on a GPU the small CPU tiles make thousands of launches per chunk that each run for

@@ -8,7 +8,7 @@
 // products over k in order, whatever the number of rows and however the blocks are split over
 // threads, so a row gives the same result at any batch size (rows only share the tile).
 //
-// The MC prefill's bfloat16 cached readout (readout_bf16_amx) runs on the same tiles: the left
+// The MC prefill's bfloat16 cached readout (readout_bf16_amx_) runs on the same tiles: the left
 // tile is built from the weighted queries bf16(w · q) 32 keys at a time, the right tiles are a
 // checkpoint's key pairs, and the float32 sums of a tile of 16 tokens cover all its checkpoints.
 //
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -270,9 +271,11 @@ void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb,
   });
 }
 
-void readout_bf16_amx(float* o, int64_t os0, int64_t os1, const float* w, int64_t ws0,
-                       int64_t ws1, const float* q, int64_t qs0, int64_t qs1, const uint16_t* S,
-                       int64_t A, int64_t T, int64_t n, int64_t N, int64_t K, int64_t V) {
+// readout_bf16_amx_'s pass, its arguments checked
+static void readout_rows(float* o, int64_t os0, int64_t os1, const float* w, int64_t ws0,
+                         int64_t ws1, const float* q, int64_t qs0, int64_t qs1,
+                         const uint16_t* S, int64_t A, int64_t T, int64_t n, int64_t N, int64_t K,
+                         int64_t V) {
   const int64_t tiles = (T + 15) / 16;
   const int64_t s_ckpt = (K / 2) * V * 2;  // bfloat16 values per checkpoint
   const int64_t sb = V * 2 * static_cast<int64_t>(sizeof(uint16_t));  // bytes per key-pair row
@@ -309,10 +312,38 @@ bool amx_bf16_usable(std::string* why) {
 void amx_bf16_rows(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                    const float*, const float*, float*) {}
 
-void readout_bf16_amx(float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
-                      int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
-                      int64_t, int64_t) {}
+static void readout_rows(float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
+                         int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t) {}
 
 #endif
+
+torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const torch::Tensor& q,
+                                const torch::Tensor& S) {
+  TORCH_CHECK(bf16_level() >= 4,
+              "readout_bf16_amx_ needs AMX-BF16 (lowp_info()['bf16_impl'] == 4)");
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&o, &w, &q})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->dim() == 3 &&
+                    t->stride(2) == 1,
+                "readout_bf16_amx_: o, w and q must be 3-D float32 CPU tensors with unit stride "
+                "in their last dim");
+  const int64_t A = o.size(0), T = o.size(1), V = o.size(2), n = w.size(2), K = q.size(2);
+  TORCH_CHECK(w.size(0) == A && w.size(1) == T && q.size(0) == A && q.size(1) == T,
+              "readout_bf16_amx_: o (A, T, V), w (A, T, n) and q (A, T, K) must agree, got ",
+              o.sizes(), ", ", w.sizes(), ", ", q.sizes());
+  TORCH_CHECK(K % 32 == 0 && V % 16 == 0 && K > 0 && V > 0,
+              "readout_bf16_amx_: K a multiple of 32 and V of 16 expected, got K = ", K,
+              ", V = ", V);
+  TORCH_CHECK(S.device().is_cpu() && S.scalar_type() == torch::kBFloat16 && S.dim() == 5 &&
+                  S.is_contiguous() && S.size(0) == A && S.size(1) >= n && S.size(2) == K / 2 &&
+                  S.size(3) == V && S.size(4) == 2,
+              "readout_bf16_amx_: S must be a contiguous bfloat16 (A, N >= n, K/2, V, 2) = (", A,
+              ", >= ", n, ", ", K / 2, ", ", V, ", 2), got ", S.sizes());
+  if (A == 0 || T == 0 || n == 0) return o;
+  readout_rows(o.data_ptr<float>(), o.stride(0), o.stride(1), w.data_ptr<float>(), w.stride(0),
+               w.stride(1), q.data_ptr<float>(), q.stride(0), q.stride(1),
+               reinterpret_cast<const uint16_t*>(S.data_ptr()), A, T, n, S.size(1), K, V);
+  return o;
+}
 
 }  // namespace mcserve_lowp

@@ -52,7 +52,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <limits>
 #include <mutex>
 #include <random>
@@ -789,33 +788,7 @@ torch::Tensor outer_bf16_(torch::Tensor X, const torch::Tensor& w, const torch::
   return X;
 }
 
-// the checks of readout_bf16_amx (amx.cpp) and the call
-torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const torch::Tensor& q,
-                                const torch::Tensor& S) {
-  TORCH_CHECK(bf_best() >= 4, "readout_bf16_amx_ needs AMX-BF16 (lowp_info()['bf16_impl'] == 4)");
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&o, &w, &q})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->dim() == 3 &&
-                    t->stride(2) == 1,
-                "readout_bf16_amx_: o, w and q must be 3-D float32 CPU tensors with unit stride "
-                "in their last dim");
-  const int64_t A = o.size(0), T = o.size(1), V = o.size(2), n = w.size(2), K = q.size(2);
-  TORCH_CHECK(w.size(0) == A && w.size(1) == T && q.size(0) == A && q.size(1) == T,
-              "readout_bf16_amx_: o (A, T, V), w (A, T, n) and q (A, T, K) must agree, got ",
-              o.sizes(), ", ", w.sizes(), ", ", q.sizes());
-  TORCH_CHECK(K % 32 == 0 && V % 16 == 0 && K > 0 && V > 0,
-              "readout_bf16_amx_: K a multiple of 32 and V of 16 expected, got K = ", K,
-              ", V = ", V);
-  TORCH_CHECK(S.device().is_cpu() && S.scalar_type() == torch::kBFloat16 && S.dim() == 5 &&
-                  S.is_contiguous() && S.size(0) == A && S.size(1) >= n && S.size(2) == K / 2 &&
-                  S.size(3) == V && S.size(4) == 2,
-              "readout_bf16_amx_: S must be a contiguous bfloat16 (A, N >= n, K/2, V, 2) = (", A,
-              ", >= ", n, ", ", K / 2, ", ", V, ", 2), got ", S.sizes());
-  if (A == 0 || T == 0 || n == 0) return o;
-  readout_bf16_amx(o.data_ptr<float>(), o.stride(0), o.stride(1), w.data_ptr<float>(),
-                   w.stride(0), w.stride(1), q.data_ptr<float>(), q.stride(0), q.stride(1),
-                   reinterpret_cast<const uint16_t*>(S.data_ptr()), A, T, n, S.size(1), K, V);
-  return o;
-}
+int bf16_level() { return bf_best(); }
 
 void bind(pybind11::module& m) {
   m.def("q8_linear", &q8_linear, "x · (packed int8 weight · per-row scales)ᵀ + bias",

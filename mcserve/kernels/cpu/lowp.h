@@ -69,14 +69,16 @@ bool amx_bf16_usable(std::string* why);
 void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb, int64_t Kx,
                    int64_t B, const float* sw, const float* bias, float* y);
 
+// the bfloat16 level bf16_linear runs at here (lowp.cpp's probe, under the cap): 4 on AMX tiles
+int bf16_level();
+
 // amx.cpp: the bfloat16 cached readout of an MC prefill tile on AMX tiles. For each of A heads
 // and T tokens: o[h, t, :] += sum over checkpoints j < n and keys k of bf16(w[h, t, j] · q[h, t,
-// k]) · S[h, j, k, :], float32 sums. o (A, T, V) and w (A, T, n), q (A, T, K) float32 with unit
-// stride in their last dim (strides os0/os1, ws0/ws1, qs0/qs1); S (A, N, K/2, V, 2) bfloat16 in
-// key pairs, contiguous, n <= N; K a multiple of 32, V of 16. Only where amx_bf16_usable().
-void readout_bf16_amx(float* o, int64_t os0, int64_t os1, const float* w, int64_t ws0,
-                      int64_t ws1, const float* q, int64_t qs0, int64_t qs1, const uint16_t* S,
-                      int64_t A, int64_t T, int64_t n, int64_t N, int64_t K, int64_t V);
+// k]) · S[h, j, k, :], float32 sums, in place. o (A, T, V), w (A, T, n) and q (A, T, K) float32
+// with unit stride in their last dim; S (A, N >= n, K/2, V, 2) bfloat16 in key pairs,
+// contiguous; K a multiple of 32, V of 16. A clear error where bf16_level() < 4.
+torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const torch::Tensor& q,
+                                const torch::Tensor& S);
 
 void bind(pybind11::module& m);
 
