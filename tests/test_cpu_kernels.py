@@ -380,14 +380,46 @@ def test_linear_scan_matches_twin(B, T, H, K, V, gated):
     pool = torch.randn(B + 2, H, K, V, generator=g)
     s0 = pool[1:B + 1]
     keep = pool.clone()
-    o, s = cpu.ops().linear_scan(q, k, v, log_a, b, s0)
+    o, s, ends = cpu.ops().linear_scan(q, k, v, log_a, b, s0, 0, False)
     o_ref, s_ref = twins.linear_scan(q, k, v, log_a, b, s0)
+    assert ends.shape == (B, 0, H, K, V)
     assert torch.equal(pool, keep)
     assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
     o2, s2 = cpu.linear_scan(q, k, v, log_a, b, s0)
     assert torch.equal(o2, o) and torch.equal(s2, s)
     with pytest.raises(RuntimeError, match="q, k"):
-        cpu.ops().linear_scan(q, k[:, :, :, :-1], v, log_a, b, s0)
+        cpu.ops().linear_scan(q, k[:, :, :, :-1], v, log_a, b, s0, 0, False)
+
+
+@pytest.mark.parametrize("B,T,H,K,V,chunk", [(1, 1, 1, 4, 4, 1), (2, 23, 3, 5, 6, 8),
+                                              (1, 64, 4, 64, 64, 16), (3, 9, 2, 8, 8, 9)],
+                         ids=["one", "odd-tail", "whole-chunks", "one-chunk"])
+@pytest.mark.parametrize("restart", [False, True], ids=["carried", "restart"])
+def test_linear_scan_ends_matches_twins(B, T, H, K, V, chunk, restart):
+    # the span's state at every chunk end (Memory Caching's segment ends) against the
+    # per-token twin and against the chunked torch form that GPUs and the twin-free path use
+    from mcserve.kernels.gla import _chunked
+
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + H + restart)
+    q = torch.randn(B, H, T, K, generator=g).transpose(1, 2)
+    k = torch.randn(B, T, H, K, generator=g) * 0.3
+    v = torch.randn(B, T, H, V, generator=g)
+    log_a = -torch.rand(B, T, H, generator=g)
+    b = torch.rand(B, T, H, generator=g)
+    s0 = torch.randn(B, H, K, V, generator=g)
+    keep = s0.clone()
+    o, ends = cpu.linear_scan_ends(q, k, v, log_a, b, s0, chunk, restart)
+    o_ref, ends_ref = twins.linear_scan_ends(q, k, v, log_a, b, s0, chunk, restart)
+    o_ch, _, ends_ch = _chunked(q, k, v, log_a, b, s0, chunk, restart=restart, ends=True)
+    assert torch.equal(s0, keep)
+    assert ends.shape == ends_ref.shape == (B, -(-T // chunk), H, K, V)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(ends, ends_ref) < 1e-5
+    assert rel_err(o, o_ch) < 1e-4 and rel_err(ends, ends_ch) < 1e-4
+    o_plain, s_plain = cpu.linear_scan(q, k, v, log_a, b, s0)
+    if not restart:  # the same arithmetic as the scan without ends
+        assert torch.equal(o, o_plain) and torch.equal(ends[:, -1], s_plain)
+    with pytest.raises(ValueError, match="chunk"):
+        cpu.linear_scan_ends(q, k, v, log_a, b, s0, 0, restart)
 
 
 @pytest.mark.parametrize("B,V,W,rows", [(1, 1, 1, [0]), (7, 101, 4, [6, 0, 3]),
@@ -485,3 +517,28 @@ def test_outer_bf16_matches_twin(A, T, n, K):
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
         cpu.ops().outer_bf16_(torch.empty(A, T, n, K), w, q)
+
+
+@pytest.mark.parametrize("B,L,N,H,K,V,k", [(1, 1, 1, 1, 4, 4, 1), (2, 37, 9, 3, 5, 70, 3),
+                                            (1, 600, 40, 4, 64, 64, 8), (3, 11, 6, 2, 8, 8, 6)],
+                         ids=["one", "odd", "tiles", "all-picked"])
+def test_readout_picks_matches_twin(B, L, N, H, K, V, k):
+    # each token's picked checkpoints read out grouped by checkpoint against the embedding-bag
+    # twin: q and idx as strided views, some weights zero (skipped), a V past one 64-column chunk
+    g = torch.Generator().manual_seed(B * 1000 + L + N)
+    S = torch.randn(B, N, H, K, V, generator=g)
+    q = torch.randn(B, H, L, K, generator=g).transpose(1, 2)
+    idx = torch.rand(B, L, H, N, generator=g).argsort(-1)[..., :k]
+    w = torch.rand(B, L, H, k, generator=g)
+    w[w < 0.2] = 0.0
+    y = cpu.readout_picks(S, q, idx, w)
+    assert y.shape == (B, L, H, V)
+    assert rel_err(y, twins.readout_picks(S, q, idx, w)) < 1e-5
+    # a token's sums do not depend on the other tokens of its tile
+    t = L // 2
+    y1 = cpu.readout_picks(S, q[:, t:t + 1], idx[:, t:t + 1], w[:, t:t + 1])
+    assert torch.equal(y1, y[:, t:t + 1])
+    bad = idx.clone()
+    bad[0, 0, 0, 0] = N
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu.readout_picks(S, q, bad, w)

@@ -90,7 +90,10 @@ def chunk_gla_ends(
     """``chunk_gla`` that also returns the state at the end of every chunk: o ``(B, T, H, V)``
     and ends ``(B, G, H, K, V)`` (G = ⌈T / chunk_size⌉; the last is the final state). With
     ``restart`` every chunk after the first starts from zero instead of the previous chunk's
-    end (Memory Caching's independent segments). Segments of MC are its chunks."""
+    end (Memory Caching's independent segments). Segments of MC are its chunks. On the CPU
+    token by token in C++ (``kernels.cpu.linear_scan_ends``), as ``chunk_gla``."""
+    if q.shape[1] and cpu_ops.scans(initial_state, q, k, v, log_a, b):
+        return cpu_ops.linear_scan_ends(q, k, v, log_a, b, initial_state, chunk_size, restart)
     o, _, ends = _chunked(q, k, v, log_a, b, initial_state, chunk_size, restart=restart,
                           ends=True)
     return o, ends

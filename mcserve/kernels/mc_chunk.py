@@ -201,30 +201,12 @@ def _readout_reads(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len:
 
 
 def _readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-    """Σ_j w[:, t, :, j] S_{idx[:, t, :, j]}ᵀ q_t per head, reading only the picked checkpoints.
-
+    """Σ_j w[:, t, :, j] S_{idx[:, t, :, j]}ᵀ q_t per head, reading only the picked checkpoints:
     S ``(B, N, H, K, V)`` contiguous, q ``(B, L, H, K)``, idx ``(B, L, H, k)`` checkpoint
-    indices, w ``(B, L, H, k)`` their weights. One embedding bag per (row, token, head) sums the
-    rows S[b, idx, h, :, :] weighted by w·q, so no (L, k, K, V) gather is materialised.
-    """
-    B, N, H, K, V = S.shape
-    L, k = q.shape[1], idx.shape[-1]
-    if cpu_ops.readout_paged_takes(S, q, w):
-        # the C++ pool readout walks each (token, head)'s picks in place: S as a pool of B·N
-        # blocks, one row per token, ids and weights read through strides
-        ids = idx + (torch.arange(B, device=q.device) * N)[:, None, None, None]
-        y = cpu_ops.readout_paged(S.view(B * N, H, K, V), ids.view(B * L, H, k).transpose(1, 2),
-                                  q.reshape(B * L, H, K), w.reshape(B * L, H, k).transpose(1, 2))
-        return y.view(B, L, H, V)
-    b = torch.arange(B, device=q.device)[:, None, None, None]
-    h = torch.arange(H, device=q.device)[None, None, :, None]
-    base = ((b * N + idx) * H + h) * K  # (B, L, H, k) first row of each picked state
-    rows = base[..., None] + torch.arange(K, device=q.device)  # (B, L, H, k, K)
-    wts = w[..., None] * q[:, :, :, None, :]  # (B, L, H, k, K)
-    y = torch.nn.functional.embedding_bag(rows.reshape(B * L * H, k * K), S.reshape(-1, V),
-                                          mode="sum",
-                                          per_sample_weights=wts.reshape(B * L * H, k * K))
-    return y.view(B, L, H, V)
+    indices, w ``(B, L, H, k)`` their weights. On the CPU in C++, each picked state read once
+    per tile of tokens (``kernels.cpu.readout_picks``); elsewhere its twin, one embedding bag
+    per (row, token, head), so no (L, k, K, V) gather is materialised."""
+    return cpu_ops.readout_picks(S, q, idx, w)
 
 
 def _scores(u: Tensor, ksum: Tensor, n_carried: int, segment_len: int) -> Tensor:

@@ -415,8 +415,22 @@ def linear_scan(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor
     m = ops()
     if m is None or not _f32_cpu(q, k, v, log_a, b, initial_state):
         return twins.linear_scan(q, k, v, log_a, b, initial_state)
-    o, S = m.linear_scan(q, k, v, log_a, b, initial_state)
+    o, S, _ = m.linear_scan(q, k, v, log_a, b, initial_state, 0, False)
     return o, S
+
+
+def linear_scan_ends(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
+                     initial_state: Tensor, chunk: int, restart: bool) -> tuple[Tensor, Tensor]:
+    """``linear_scan`` that also keeps the state at the end of every ``chunk`` tokens: ``(o,
+    ends)``, ends ``(B, ⌈T/chunk⌉, H, K, V)`` (the last the final state); with ``restart``
+    every chunk after the first starts from zero (twin ``twins.linear_scan_ends``)."""
+    if chunk < 1:
+        raise ValueError(f"linear_scan_ends: chunk must be >= 1, got {chunk}")
+    m = ops()
+    if m is None or not _f32_cpu(q, k, v, log_a, b, initial_state):
+        return twins.linear_scan_ends(q, k, v, log_a, b, initial_state, chunk, restart)
+    o, _, ends = m.linear_scan(q, k, v, log_a, b, initial_state, chunk, restart)
+    return o, ends
 
 
 def delta_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
@@ -446,16 +460,23 @@ def gla_vec_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | No
     return m.gla_vec_step_(S, q, k, v, log_a, b)
 
 
-def readout_paged_takes(pool: Tensor, q: Tensor, w: Tensor) -> bool:
-    """Whether ``readout_paged`` runs the C++ op for these inputs (else its twin)."""
-    return ops() is not None and _f32_cpu(pool, q, w) and pool.is_contiguous()
-
-
 def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
     """Weighted readout of pool blocks (twin ``twins.readout_paged``)."""
-    if not readout_paged_takes(pool, q, w):
+    m = ops()
+    if m is None or not _f32_cpu(pool, q, w) or not pool.is_contiguous():
         return twins.readout_paged(pool, ids, q, w)
-    return ops().readout_paged(pool, ids, q, w)
+    return m.readout_paged(pool, ids, q, w)
+
+
+def readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    """Σ_j w[b, t, h, j]·S[b, idx[b, t, h, j], h]ᵀ q[b, t, h] over a prefill span, each picked
+    state read once per tile of tokens (twin ``twins.readout_picks``): S ``(B, N, H, K, V)``,
+    q ``(B, L, H, K)``, idx ``(B, L, H, k)`` int64, w ``(B, L, H, k)`` → ``(B, L, H, V)``."""
+    m = ops()
+    if (m is None or not _f32_cpu(S, q, w) or not S.is_contiguous()
+            or idx.dtype != torch.int64 or idx.device.type != "cpu"):
+        return twins.readout_picks(S, q, idx, w)
+    return m.readout_picks(S, q, idx, w)
 
 
 def paged_attention_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor,

@@ -124,7 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x Wᵀ + bias for a few rows");
   m.def("linear_step_", &linear_step_, "one token of gated linear attention, in place");
   m.def("linear_scan", &linear_scan, "a span of gated linear attention, token by token: "
-        "(o, final state)");
+        "(o, final state, the state every `every` tokens)");
   m.def("delta_step_", &delta_step_, "one token of the (gated) delta rule, in place");
   m.def("rwkv7_step_", &rwkv7_step_, "one token of RWKV-7's generalised delta rule, in place");
   m.def("gla_vec_step_", &gla_vec_step_, "one token of vector-gated linear attention, in place");
@@ -132,6 +132,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "one decode query per row against its keys and values in a paged pool");
   m.def("topk_later", &topk_later, "indices of each row's k largest, ties to the later");
+  m.def("readout_picks", &readout_picks,
+        "each token's picked checkpoints read out over a prefill span, grouped by checkpoint");
   m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");
   m.def("rms_norm", &rms_norm, "grouped RMSNorm, optionally gated by silu(z)");
   m.def("mc_scores_", &mc_scores_, "MC routing scores of one token; seg_ksum += k in place");

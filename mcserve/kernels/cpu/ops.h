@@ -24,7 +24,7 @@ std::vector<torch::Tensor> linear_scan(const torch::Tensor& q, const torch::Tens
                                        const torch::Tensor& v,
                                        const c10::optional<torch::Tensor>& log_a,
                                        const c10::optional<torch::Tensor>& b,
-                                       const torch::Tensor& S0);
+                                       const torch::Tensor& S0, int64_t every, bool restart);
 
 // steps.cpp: one token of the delta rule, RWKV-7 and vector-gated linear attention, in place
 torch::Tensor delta_step_(torch::Tensor S, const torch::Tensor& q, const torch::Tensor& k,
@@ -44,6 +44,8 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_pool, const torch::Tensor& tables,
                                      const torch::Tensor& lengths, double scale);
 torch::Tensor topk_later(const torch::Tensor& r, int64_t k);
+torch::Tensor readout_picks(const torch::Tensor& S, const torch::Tensor& q,
+                            const torch::Tensor& idx, const torch::Tensor& w);
 torch::Tensor mc_scores_(torch::Tensor seg_ksum, const torch::Tensor& k, const torch::Tensor& u,
                          const torch::Tensor& seg_len, const torch::Tensor& ksum_pool,
                          const torch::Tensor& table, int64_t segment_len);

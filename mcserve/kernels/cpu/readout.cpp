@@ -1,12 +1,14 @@
 // Reads of the paged pools at decode: the weighted readout of cached state blocks
 // (readout_paged), paged attention for one query per row (paged_attention_decode), MC routing
-// (mc_scores_, topk_later) and the MC step + readout of one token (mc_step_readout_).
+// (mc_scores_, topk_later) and the MC step + readout of one token (mc_step_readout_); and the
+// prefill's readout of each token's picked checkpoints (readout_picks).
 #include "common.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -56,6 +58,115 @@ torch::Tensor readout_paged(const torch::Tensor& pool, const torch::Tensor& ids,
     }
   });
   TORCH_CHECK(!bad, "readout_paged: a block id is outside the pool");
+  return y;
+}
+
+namespace {
+
+// y_r += x_rᵀ S over `width` (≤ kCols) columns for four rows at once: S's rows read once for
+// all four; explicit multiply-adds, so a row's sums do not depend on the rows beside it.
+constexpr int64_t kCols = 64;
+template <bool kFull>
+inline void four_rows(const float* X, int64_t K, const float* S, int64_t V, int64_t j0,
+                      int64_t width, float* const* dst) {
+  float a[4][kCols] = {};
+  const int64_t n = kFull ? kCols : width;
+  for (int64_t c = 0; c < K; ++c) {
+    const float x0 = X[c], x1 = X[K + c], x2 = X[2 * K + c], x3 = X[3 * K + c];
+    const float* row = S + c * V + j0;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      a[0][j] = std::fma(x0, row[j], a[0][j]);
+      a[1][j] = std::fma(x1, row[j], a[1][j]);
+      a[2][j] = std::fma(x2, row[j], a[2][j]);
+      a[3][j] = std::fma(x3, row[j], a[3][j]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int64_t j = 0; j < n; ++j) dst[r][j0 + j] += a[r][j];
+}
+
+}  // namespace
+
+// The readout of each token's picked checkpoints over a prefill span (ssc), grouped by
+// checkpoint: y[b, t, h] = Σ_j w[b, t, h, j] · S[b, idx[b, t, h, j], h]ᵀ q[b, t, h].
+// S (B, N, H, K, V) contiguous; q (B, L, H, K), idx (B, L, H, k) int64, w (B, L, H, k), any
+// strides → (B, L, H, V). A task is one (row, head) and a tile of tokens: its picks sorted by
+// checkpoint (a counting sort), each picked state then read once for all the tile's tokens that
+// picked it, four tokens at a time, instead of once per token. Zero weights are skipped. A
+// token's sum runs over its picks in checkpoint order, whatever the tile or its neighbours.
+torch::Tensor readout_picks(const torch::Tensor& S, const torch::Tensor& q,
+                            const torch::Tensor& idx, const torch::Tensor& w) {
+  check_f32(S, "S");
+  check_f32(q, "q");
+  check_f32(w, "w");
+  TORCH_CHECK(S.dim() == 5 && S.is_contiguous(),
+              "readout_picks: contiguous S (B, N, H, K, V) expected");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 4 && idx.device().is_cpu(),
+              "readout_picks: idx (B, L, H, k) int64 on the CPU expected");
+  const int64_t B = S.size(0), N = S.size(1), H = S.size(2), K = S.size(3), V = S.size(4);
+  const int64_t L = idx.size(1), k = idx.size(3);
+  TORCH_CHECK(idx.size(0) == B && idx.size(2) == H &&
+                  q.sizes() == torch::IntArrayRef({B, L, H, K}) &&
+                  w.sizes() == torch::IntArrayRef({B, L, H, k}),
+              "readout_picks: q (B, L, H, K), idx and w (B, L, H, k) expected");
+  auto y = torch::zeros({B, L, H, V}, S.options());
+  const float *Sp = S.data_ptr<float>(), *qp = q.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const auto qs = q.strides(), is = idx.strides(), ws = w.strides();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kTile = 256;  // tokens of a task
+  const int64_t tiles = (L + kTile - 1) / kTile;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, B * H * tiles, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> start(N + 1), order(kTile * k);
+    std::vector<float> X(4 * K), spare(V);
+    for (int64_t task = i0; task < i1; ++task) {
+      const int64_t b = task / (H * tiles), h = task / tiles % H;
+      const int64_t t0 = task % tiles * kTile, t1 = std::min(L, t0 + kTile);
+      auto pick = [&](int64_t t, int64_t j) { return ip[b * is[0] + t * is[1] + h * is[2] +
+                                                        j * is[3]]; };
+      auto weight = [&](int64_t t, int64_t j) { return wp[b * ws[0] + t * ws[1] + h * ws[2] +
+                                                          j * ws[3]]; };
+      std::fill(start.begin(), start.end(), 0);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t n = pick(t, j);
+          if (n < 0 || n >= N) { bad = true; continue; }
+          if (weight(t, j) != 0.f) ++start[n + 1];
+        }
+      for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
+      std::vector<int64_t> fill(start.begin(), start.end() - 1);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t n = pick(t, j);
+          if (n >= 0 && n < N && weight(t, j) != 0.f) order[fill[n]++] = (t - t0) * k + j;
+        }
+      for (int64_t n = 0; n < N; ++n) {
+        const float* Sn = Sp + ((b * N + n) * H + h) * K * V;
+        for (int64_t g = start[n]; g < start[n + 1]; g += 4) {
+          float* dst[4];
+          for (int64_t r = 0; r < 4; ++r) {
+            float* x = X.data() + r * K;
+            if (g + r < start[n + 1]) {
+              const int64_t t = t0 + order[g + r] / k, j = order[g + r] % k;
+              const float wt = weight(t, j);
+              const float* qr = qp + b * qs[0] + t * qs[1] + h * qs[2];
+              for (int64_t c = 0; c < K; ++c) x[c] = wt * qr[c * qs[3]];
+              dst[r] = yp + ((b * L + t) * H + h) * V;
+            } else {  // a short group: zero rows into a spare output
+              std::fill(x, x + K, 0.f);
+              dst[r] = spare.data();
+            }
+          }
+          int64_t j0 = 0;
+          for (; j0 + kCols <= V; j0 += kCols) four_rows<true>(X.data(), K, Sn, V, j0, kCols, dst);
+          if (j0 < V) four_rows<false>(X.data(), K, Sn, V, j0, V - j0, dst);
+        }
+      }
+    }
+  });
+  TORCH_CHECK(!bad, "readout_picks: a checkpoint index is outside S");
   return y;
 }
 

@@ -83,14 +83,17 @@ torch::Tensor linear_step_(torch::Tensor S, const torch::Tensor& q, const torch:
 
 // A span of T tokens of gated linear attention, token after token (the arithmetic of
 // linear_step_): from S0 (B, H, K, V) (not modified); q, k (B, T, H, K), v (B, T, H, V), log_a
-// and b (B, T, H) or absent, any strides. Returns o (B, T, H, V) and the final state. Each
-// (row, head) keeps its state in this thread's cache for the whole span, which beats the
+// and b (B, T, H) or absent, any strides. Returns o (B, T, H, V), the final state and, when
+// every > 0, the state at the end of every `every` tokens (B, ⌈T/every⌉, H, K, V), the last
+// being the final state; with restart, each of those chunks after the first starts from zero
+// (Memory Caching's independent segments; the final state is then the last chunk's own).
+// Each (row, head) keeps its state in this thread's cache for the whole span, which beats the
 // chunked form's products at any length on the CPU.
 std::vector<torch::Tensor> linear_scan(const torch::Tensor& q, const torch::Tensor& k,
                                        const torch::Tensor& v,
                                        const c10::optional<torch::Tensor>& log_a,
                                        const c10::optional<torch::Tensor>& b,
-                                       const torch::Tensor& S0) {
+                                       const torch::Tensor& S0, int64_t every, bool restart) {
   check_f32(S0, "initial_state");
   check_f32(q, "q");
   check_f32(k, "k");
@@ -114,8 +117,12 @@ std::vector<torch::Tensor> linear_scan(const torch::Tensor& q, const torch::Tens
     check_f32(*b, "b");
     TORCH_CHECK(b->sizes() == torch::IntArrayRef({B, T, H}), "b (B, T, H) expected");
   }
+  TORCH_CHECK(every >= 0, "linear_scan: every must be >= 0, got ", every);
+  const int64_t G = every > 0 ? (T + every - 1) / every : 0;
   auto S = torch::empty({B, H, K, V}, S0.options());
   auto o = torch::empty({B, T, H, V}, S0.options());
+  auto ends = torch::empty({B, G, H, K, V}, S0.options());
+  float* ep = ends.data_ptr<float>();
   float* Sp = S.data_ptr<float>();
   const float* S0p = S0.data_ptr<float>();
   const auto s0s = S0.strides();
@@ -158,10 +165,14 @@ std::vector<torch::Tensor> linear_scan(const torch::Tensor& q, const torch::Tens
             out[j] = std::fma(qv, x, out[j]);
           }
         }
+        if (every > 0 && ((t + 1) % every == 0 || t + 1 == T)) {
+          std::copy(s, s + K * V, ep + ((bi * G + t / every) * H + h) * K * V);
+          if (restart && t + 1 < T && (t + 1) % every == 0) std::fill(s, s + K * V, 0.f);
+        }
       }
     }
   });
-  return {o, S};
+  return {o, S, ends};
 }
 
 }  // namespace mcserve_ops

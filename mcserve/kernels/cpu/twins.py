@@ -130,6 +130,27 @@ def linear_scan(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor
     return (torch.stack(outs, 1) if outs else v.new_zeros(v.shape)), S
 
 
+def linear_scan_ends(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None, b: Tensor | None,
+                     initial_state: Tensor, chunk: int, restart: bool) -> tuple[Tensor, Tensor]:
+    """``linear_step_`` over the span, the state kept after every ``chunk`` tokens and after
+    the last: ``(o (B, T, H, V), ends (B, ⌈T/chunk⌉, H, K, V))``; with ``restart`` each chunk
+    after the first starts from zero."""
+    S = initial_state.clone()
+    T = q.shape[1]
+    outs, ends = [], []
+    for t in range(T):
+        if restart and t and t % chunk == 0:
+            S.zero_()
+        outs.append(linear_step_(S, q[:, t], k[:, t], v[:, t],
+                                 None if log_a is None else log_a[:, t],
+                                 None if b is None else b[:, t]))
+        if (t + 1) % chunk == 0 or t + 1 == T:
+            ends.append(S.clone())
+    B, H, K, V = S.shape
+    return ((torch.stack(outs, 1) if outs else v.new_zeros(v.shape)),
+            torch.stack(ends, 1) if ends else S.new_zeros(B, 0, H, K, V))
+
+
 def _work(S: Tensor) -> Tensor:
     """S itself when its precision is computed in directly, else a float32 copy to compute in
     and copy back: long products of decays and rank-1 updates lose too much in 8 mantissa bits
@@ -194,6 +215,23 @@ def readout_paged(pool: Tensor, ids: Tensor, q: Tensor, w: Tensor) -> Tensor:
     H = pool.shape[1]
     S = pool[ids, torch.arange(H, device=ids.device)]  # (B, n, H, K, V)
     return torch.einsum("bnh,bhk,bnhkv->bhv", w, q, S)
+
+
+def readout_picks(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    """Σ_j w[b, t, h, j]·S[b, idx[b, t, h, j], h]ᵀ q[b, t, h]: S ``(B, N, H, K, V)``, q ``(B,
+    L, H, K)``, idx ``(B, L, H, k)``, w ``(B, L, H, k)`` → ``(B, L, H, V)``. One embedding bag
+    per (row, token, head) sums the rows of its picked states weighted by w·q, so no (L, k, K,
+    V) gather is materialised."""
+    B, N, H, K, V = S.shape
+    L, k = q.shape[1], idx.shape[-1]
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    h = torch.arange(H, device=q.device)[None, None, :, None]
+    base = ((b * N + idx) * H + h) * K  # (B, L, H, k) first row of each picked state
+    rows = base[..., None] + torch.arange(K, device=q.device)  # (B, L, H, k, K)
+    wts = w[..., None] * q[:, :, :, None, :]  # (B, L, H, k, K)
+    y = F.embedding_bag(rows.reshape(B * L * H, k * K), S.reshape(-1, V), mode="sum",
+                        per_sample_weights=wts.reshape(B * L * H, k * K))
+    return y.view(B, L, H, V)
 
 
 def topk_later(r: Tensor, k: int) -> Tensor:
