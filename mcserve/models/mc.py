@@ -140,7 +140,10 @@ class MCMemory(LogLinearMixin):
         # a segment completed by the last token stays online (pushed by the next span), unless
         # the caller records checkpoints
         n_push = n_b - 1 if n_b and not fill and st.record is None else n_b
-        for i in range(n_push):
+        if n_push and not self.collapsed:  # every completed segment cached in one write
+            self._push_many(st, bs[:, :n_push], bk[:, :n_push],
+                            [pos0 + (i + 1) * C - f0 for i in range(n_push)], init)
+        for i in range(n_push if self.collapsed else 0):
             st.mem, st.seg_ksum, st.seg_len = {"S": bs[:, i]}, bk[:, i], C
             st.pos = pos0 + (i + 1) * C - f0
             self.push(st, init)
@@ -385,6 +388,24 @@ class MCMemory(LogLinearMixin):
         st.n_segments += 1
         st.seg_ksum = torch.zeros_like(st.seg_ksum)
         st.seg_len = 0
+        if self.cfg.independent:
+            B, H, K = st.seg_ksum.shape
+            st.mem = self.family.init_state(B, H, K, st.v_dim, dtype=st.seg_ksum.dtype,
+                                            device=st.seg_ksum.device, init=init)
+
+    def _push_many(self, st: MCLayerState, S: Tensor, ksum: Tensor, pos: list[int],
+                   init: dict[str, Tensor] | None) -> None:
+        """``push`` of n completed segments of the gated linear memory at once (not collapsed):
+        their states ``S`` ``(B, n, H, K, V)``, key sums ``(B, n, H, K)`` and end positions;
+        leaves ``st`` as n ``push`` calls would (a new, empty online segment)."""
+        C = self.cfg.segment_len
+        st.extend({"S": S}, ksum, [C] * len(pos), pos)
+        if st.record is not None:
+            st.record += [{"mem": {"S": S[:, i]}, "ksum": ksum[:, i], "pos": p, "csum": None}
+                          for i, p in enumerate(pos)]
+        st.n_segments += len(pos)
+        st.mem, st.pos, st.seg_len = {"S": S[:, -1]}, pos[-1], 0
+        st.seg_ksum = torch.zeros_like(ksum[:, -1])
         if self.cfg.independent:
             B, H, K = st.seg_ksum.shape
             st.mem = self.family.init_state(B, H, K, st.v_dim, dtype=st.seg_ksum.dtype,

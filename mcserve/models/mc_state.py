@@ -67,28 +67,33 @@ class MCLayerState:
 
     def append(self, block: State, ksum: Tensor, length: int, pos: int) -> None:
         """Cache one more segment: block tensors ``(B, ...)``, its key sum ``(B, H, K)``."""
-        n = self.num_cached
-        if torch.is_grad_enabled() and any(t.requires_grad for t in block.values()):
+        self.extend({k: t[:, None] for k, t in block.items()}, ksum[:, None], [length], [pos])
+
+    def extend(self, blocks: State, ksums: Tensor, lengths: list[int], pos: list[int]) -> None:
+        """Cache n more segments at once: block tensors ``(B, n, ...)``, their key sums ``(B, n,
+        H, K)``, tokens and end positions (n each); one write into the stack for all n."""
+        n, m = self.num_cached, len(lengths)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in blocks.values()):
             # training: autograd saved views of the stack, so never write into it in place
-            self.cached = {k: torch.cat([self.cached[k], t[:, None]], 1) for k, t in block.items()}
-            self.cached_ksum = torch.cat([self.cached_ksum, ksum[:, None]], 1)
+            self.cached = {k: torch.cat([self.cached[k], t], 1) for k, t in blocks.items()}
+            self.cached_ksum = torch.cat([self.cached_ksum, ksums], 1)
             self._stack = None
-            self.cached_len.append(length)
-            self.cached_pos.append(pos)
+            self.cached_len += lengths
+            self.cached_pos += pos
             return
         st = self._stack
-        if st is None or st.filled != n or n == st.capacity or (
+        if st is None or st.filled != n or n + m > st.capacity or (
                 n and st.ksum.data_ptr() != self.cached_ksum.data_ptr()):
-            st = _Stack(self.cached, self.cached_ksum, max(8, 2 * (n + 1)))
-        for k, t in block.items():
-            st.t[k][:, n] = t
-        st.ksum[:, n] = ksum
-        st.filled = n + 1
+            st = _Stack(self.cached, self.cached_ksum, max(8, 2 * (n + m)))
+        for k, t in blocks.items():
+            st.t[k][:, n:n + m] = t
+        st.ksum[:, n:n + m] = ksums
+        st.filled = n + m
         self._stack = st
-        self.cached = {k: t[:, :n + 1] for k, t in st.t.items()}
-        self.cached_ksum = st.ksum[:, :n + 1]
-        self.cached_len.append(length)
-        self.cached_pos.append(pos)
+        self.cached = {k: t[:, :n + m] for k, t in st.t.items()}
+        self.cached_ksum = st.ksum[:, :n + m]
+        self.cached_len += lengths
+        self.cached_pos += pos
 
     def truncate(self, n: int) -> None:
         """Keep the first n cached segments (loglinear merges)."""
