@@ -137,6 +137,30 @@ def test_requested_positions_and_grid(name, tmp_path_factory):
     assert eng.cache.is_whole() and grid.cache.is_whole()
 
 
+def test_default_grid_only_where_no_segment_blocks_resume():
+    """Left unset, the grid is the store's default for a model without segment blocks; an MC
+    model's segment blocks already hold the whole state at every segment end, so it keeps no
+    grid (its prompt prefills in budget-sized chunks) and still resumes at the last block."""
+    none = LLMEngine(EngineConfig(max_num_seqs=2, num_state_blocks=64, dtype="float64",
+                                  max_model_len=96), model=MODELS["linear-none"]())
+    assert none.checkpoint_interval == none.resume.default_interval(96) > 0
+    model = MODELS["linear-ssc"]()
+    eng = LLMEngine(EngineConfig(max_num_seqs=2, num_state_blocks=64, dtype="float64",
+                                 max_model_len=96, max_num_batched_tokens=64), model=model)
+    assert eng.checkpoint_interval == 0
+    seen = []
+    step = eng.runner.prefill
+    eng.runner.prefill = lambda item, *a: seen.append(item.num_tokens) or step(item, *a)
+    prompt = rand_ids(50, 30)
+    run(eng, [prompt])
+    assert seen == [50]  # one chunk: no grid mark cut it
+    prompts = [prompt[:45] + rand_ids(7, 31)]
+    got = run(eng, prompts)
+    C = model.config.mc.segment_len
+    assert got[0].num_cached_tokens == 45 // C * C
+    same(got, run(engine(model, enable_prefix_caching=False), prompts))
+
+
 def test_shared_system_prompt_is_computed_once():
     """16 users whose requests arrive together with one new system prompt: the first computes
     it, the others wait for its resume point and compute only their own tokens."""

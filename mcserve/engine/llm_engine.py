@@ -172,6 +172,10 @@ class LLMEngine:
             return 0
         if config.checkpoint_interval is not None:
             return config.checkpoint_interval
+        if self.mc.caches_blocks and self.kv is None:
+            # every segment block is a resume point already (the whole state where its segment
+            # ends): a grid would only cut the prefill into more chunks
+            return 0
         return self.resume.default_interval(config.max_model_len)
 
     def close(self) -> None:
