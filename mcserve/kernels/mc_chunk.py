@@ -214,10 +214,10 @@ def _scores(u: Tensor, ksum: Tensor, n_carried: int, segment_len: int) -> Tensor
     t // C), -inf for the rest: u ``(B, L, H, K)`` over the padded, segment-aligned span, ksum
     ``(B, N, H, K)``. Checkpoints last: the selection and softmax dim."""
     L, K, N = u.shape[1], u.shape[-1], ksum.shape[1]
-    r = torch.einsum("blhk,bnhk->blhn", u, ksum) / (segment_len * math.sqrt(K))
+    r = torch.einsum("blhk,bnhk->blhn", u * (1.0 / (segment_len * math.sqrt(K))), ksum)
     seg = torch.arange(L, device=u.device) // segment_len
     hidden = torch.arange(N, device=u.device)[None, :] >= (n_carried + seg)[:, None]  # (L, N)
-    return r.masked_fill(hidden[None, :, None, :], float("-inf"))
+    return r.masked_fill_(hidden[None, :, None, :], float("-inf"))
 
 
 def _weighted_readout(S: Tensor, q: Tensor, w: Tensor, n_carried: int, segment_len: int,

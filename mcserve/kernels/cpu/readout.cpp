@@ -299,8 +299,8 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
 
 // Indices of the k largest entries of each row of r (R, N), largest first; among equal values
 // the later index ranks first (the most recent checkpoint). One pass per row keeps the k best in
-// a small sorted list: a new entry only has to beat the list's last (worst) one, so a row costs
-// about N comparisons. → (R, k) int64.
+// a small sorted list: a new entry only has to beat the list's last (worst) one, and none below
+// the least of k group maxima (found with vector max) is looked at twice. → (R, k) int64.
 torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
   check_f32(r, "r");
   TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1, "topk_later: r (R, N) with unit column stride");
@@ -315,10 +315,8 @@ torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
     for (int64_t row = r0; row < r1; ++row) {
       const float* x = rp + row * rs;
       int64_t m = 0;
-      for (int64_t n = 0; n < N; ++n) {
-        const float v = x[n];
-        if (m == k && !(v >= bv[k - 1])) continue;  // not better than the worst kept
-        // position: before every kept entry with a value <= v (n is later than all of them)
+      // keep x[n]: before every kept entry with a value <= v (n is later than all of them)
+      auto insert = [&](float v, int64_t n) {
         int64_t p = m < k ? m : k - 1;
         while (p > 0 && bv[p - 1] <= v) {
           bv[p] = bv[p - 1];
@@ -328,6 +326,26 @@ torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
         bv[p] = v;
         bi[p] = n;
         if (m < k) ++m;
+      };
+      // hidden checkpoints score -inf at the row's end: only [0, n_end) can hold more
+      int64_t n_end = N;
+      while (n_end > 0 && x[n_end - 1] == -std::numeric_limits<float>::infinity()) --n_end;
+      float floor = -std::numeric_limits<float>::infinity();
+      if (n_end >= 2 * k) {
+        // the least of k group maxima: k entries are >= it, so nothing below it is kept
+        floor = std::numeric_limits<float>::infinity();
+        for (int64_t g = 0; g < k; ++g) {
+          const int64_t a = g * n_end / k, e = (g + 1) * n_end / k;
+          float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+          for (int64_t j = a; j < e; ++j) top = std::max(top, x[j]);
+          floor = std::min(floor, top);
+        }
+      }
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = x[n];
+        if (v < floor || (m == k && !(v >= bv[k - 1]))) continue;  // not above the worst kept
+        insert(v, n);
       }
       std::copy(bi.begin(), bi.end(), op + row * k);
     }
