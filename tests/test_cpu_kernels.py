@@ -542,3 +542,27 @@ def test_readout_picks_matches_twin(B, L, N, H, K, V, k):
     bad[0, 0, 0, 0] = N
     with pytest.raises(RuntimeError, match="outside"):
         cpu.readout_picks(S, q, bad, w)
+
+
+@pytest.mark.parametrize("R,N,k", [(1, 1, 1), (37, 11, 3), (64, 256, 8), (9, 20, 8)],
+                         ids=["one", "odd", "prefill", "few-visible"])
+def test_select_softmax_matches_twin(R, N, k):
+    # the fused routing of a prefill span against mask + topk_later + softmax: rows that see
+    # none, fewer than k and all of their checkpoints; integer scores (ties everywhere); the
+    # hidden entries hold garbage (NaN too) that must not matter
+    g = torch.Generator().manual_seed(R * N + k)
+    for scale in (0.0, 1.0):
+        r = torch.randint(0, 5, (R, N), generator=g).float() + scale * torch.rand(R, N, generator=g)
+        visible = torch.randint(0, N + 1, (R,), generator=g)
+        visible[0] = N
+        r[torch.arange(N)[None, :] >= visible[:, None]] = float("nan")
+        r_on = torch.randn(R, generator=g)
+        idx, w, w_on = cpu.select_softmax(r, visible, r_on, k)
+        t_idx, t_w, t_on = twins.select_softmax(r, visible, r_on, k)
+        seen = torch.arange(k)[None, :] < visible[:, None].clamp(max=k)
+        assert torch.equal(idx[seen], t_idx[seen])  # the visible picks, in order
+        assert torch.allclose(w, t_w, atol=1e-6) and torch.allclose(w_on, t_on, atol=1e-6)
+        assert bool((w[~seen] == 0).all())
+        assert torch.allclose(w.sum(1) + w_on, torch.ones(R))
+    with pytest.raises(RuntimeError, match="visible"):
+        cpu.ops().select_softmax(r, visible.int(), r_on, k)

@@ -330,14 +330,32 @@ def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
                       dtype: torch.dtype | None = None) -> Tensor:
     """``_readout_dense_unfused`` over each token's ``top_k`` best-scoring checkpoints only
     (``ssc``; ties to the later one): the picks read in place once there are ``SPARSE_FACTOR``
-    times more checkpoints than picks, else a dense readout with zero weights elsewhere."""
+    times more checkpoints than picks, else a dense readout with zero weights elsewhere. On
+    the CPU the sparse form picks and weighs in one C++ pass per row
+    (``kernels.cpu.select_softmax``)."""
+    sparse = sum(s.shape[1] for s in S) >= SPARSE_FACTOR * top_k and not (
+        torch.is_grad_enabled() and q.requires_grad)
+    if sparse and q.is_cpu:
+        # the scores unmasked, head-major (B, H, L, N), then one C++ pass per row: the visible
+        # picks and their softmax with the online score; no masked or gathered copies
+        B, L, H, K = q.shape
+        N = ksum.shape[1]
+        r = torch.matmul((u * (1.0 / (segment_len * math.sqrt(K)))).transpose(1, 2),
+                         ksum.permute(0, 2, 3, 1))
+        seen = (torch.arange(L, device=q.device) // segment_len + n_carried).clamp_(max=N)
+        idx, w, w_on = cpu_ops.select_softmax(
+            r.view(-1, N), seen.expand(B, H, L).reshape(-1), r_on.transpose(1, 2).reshape(-1),
+            top_k)
+        y = o * w_on.view(B, H, L, 1).transpose(1, 2)
+        return y + _readout_picks(torch.cat(S, 1).contiguous(), q,
+                                  idx.view(B, H, L, top_k).transpose(1, 2),
+                                  w.view(B, H, L, top_k).transpose(1, 2))
     r_c = _scores(u, ksum, n_carried, segment_len)
     idx = _select(r_c, top_k)  # (B, L, H, top_k)
     gamma = torch.softmax(torch.cat([r_c.gather(-1, idx), r_on[..., None]], -1), -1)
     y = o * gamma[..., -1:]
     Sc = torch.cat(S, 1)
-    if r_c.shape[-1] >= SPARSE_FACTOR * top_k and not (torch.is_grad_enabled()
-                                                        and q.requires_grad):
+    if sparse:
         return y + _readout_picks(Sc.contiguous(), q, idx, gamma[..., :-1])
     w_c = torch.zeros_like(r_c).scatter(-1, idx, gamma[..., :-1])
     return y + _weighted_readout(Sc, q, w_c, n_carried, segment_len, dtype)

@@ -500,6 +500,19 @@ def topk_later(r: Tensor, k: int) -> Tensor:
     return m.topk_later(r, k)
 
 
+def select_softmax(r: Tensor, visible: Tensor, r_on: Tensor, k: int
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's k best scores among its first ``visible`` (``topk_later``'s order) and their
+    softmax with the online score: r ``(R, N)``, visible ``(R,)`` int64, r_on ``(R,)`` → idx
+    ``(R, k)``, w ``(R, k)``, w_on ``(R,)`` (twin ``twins.select_softmax``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(r, r_on) or r.dim() != 2 or r.stride(-1) != 1
+            or visible.dtype != torch.int64 or visible.device.type != "cpu"):
+        return twins.select_softmax(r, visible, r_on, k)
+    idx, w, w_on = m.select_softmax(r, visible, r_on, k)
+    return idx, w, w_on
+
+
 def mask_logits_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
     """The grammar bitmask ``(R, W)`` int32 of rows ``rows`` (int64) applied to ``logits``
     ``(B, V)`` in place: tokens whose bit is clear become -inf (twin ``twins.mask_logits_``)."""

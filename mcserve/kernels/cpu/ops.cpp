@@ -132,6 +132,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "one decode query per row against its keys and values in a paged pool");
   m.def("topk_later", &topk_later, "indices of each row's k largest, ties to the later");
+  m.def("select_softmax", &select_softmax,
+        "each row's k best visible scores (ties to the later) and their softmax with r_on");
   m.def("readout_picks", &readout_picks,
         "each token's picked checkpoints read out over a prefill span, grouped by checkpoint");
   m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");

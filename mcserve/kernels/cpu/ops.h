@@ -44,6 +44,8 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_pool, const torch::Tensor& tables,
                                      const torch::Tensor& lengths, double scale);
 torch::Tensor topk_later(const torch::Tensor& r, int64_t k);
+std::vector<torch::Tensor> select_softmax(const torch::Tensor& r, const torch::Tensor& visible,
+                                          const torch::Tensor& r_on, int64_t k);
 torch::Tensor readout_picks(const torch::Tensor& S, const torch::Tensor& q,
                             const torch::Tensor& idx, const torch::Tensor& w);
 torch::Tensor mc_scores_(torch::Tensor seg_ksum, const torch::Tensor& k, const torch::Tensor& u,

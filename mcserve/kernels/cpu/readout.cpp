@@ -436,4 +436,89 @@ torch::Tensor mc_step_readout_(torch::Tensor S, const torch::Tensor& q, const to
   return o;
 }
 
+// The routing of a prefill span's tokens (ssc): for each row of scores r (R, N) (unit column
+// stride) whose first visible[row] entries are the checkpoints it sees (the rest count as -inf,
+// whatever r holds there), the k best as topk_later picks them and the softmax of their scores
+// together with the online score r_on[row]: → idx (R, k) int64, w (R, k) and w_on (R,) (float32;
+// a pick past the visible ones, as when fewer than k are visible, has weight zero). One pass
+// per row; no masked copy of r, no gather.
+std::vector<torch::Tensor> select_softmax(const torch::Tensor& r, const torch::Tensor& visible,
+                                          const torch::Tensor& r_on, int64_t k) {
+  check_f32(r, "r");
+  check_f32(r_on, "r_on");
+  TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1,
+              "select_softmax: r (R, N) with unit column stride expected");
+  const int64_t R = r.size(0), N = r.size(1), rs = r.stride(0);
+  TORCH_CHECK(k >= 1 && k <= N, "select_softmax: k must be in [1, N], got k=", k, ", N=", N);
+  TORCH_CHECK(visible.scalar_type() == torch::kInt64 && visible.numel() == R &&
+                  visible.device().is_cpu() && r_on.numel() == R,
+              "select_softmax: visible (R,) int64 and r_on (R,) expected");
+  auto vis = visible.contiguous();
+  auto ron = r_on.contiguous();
+  auto idx = torch::empty({R, k}, r.options().dtype(torch::kInt64));
+  auto w = torch::empty({R, k}, r.options());
+  auto w_on = torch::empty({R}, r.options());
+  const float *rp = r.data_ptr<float>(), *onp = ron.data_ptr<float>();
+  const int64_t* vp = vis.data_ptr<int64_t>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float *wp = w.data_ptr<float>(), *wonp = w_on.data_ptr<float>();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> bv(k);
+    std::vector<int64_t> bi(k);
+    for (int64_t row = r0; row < r1; ++row) {
+      const float* x = rp + row * rs;
+      const int64_t n_vis = std::min(N, std::max<int64_t>(0, vp[row]));
+      int64_t m = 0;
+      auto insert = [&](float v, int64_t n) {  // topk_later's rule: ties to the later index
+        int64_t p = m < k ? m : k - 1;
+        while (p > 0 && bv[p - 1] <= v) {
+          bv[p] = bv[p - 1];
+          bi[p] = bi[p - 1];
+          --p;
+        }
+        bv[p] = v;
+        bi[p] = n;
+        if (m < k) ++m;
+      };
+      float floor = kNegInf;
+      if (n_vis >= 2 * k) {  // the least of k group maxima: nothing below it is kept
+        floor = -kNegInf;
+        for (int64_t g = 0; g < k; ++g) {
+          const int64_t a = g * n_vis / k, e = (g + 1) * n_vis / k;
+          float top = kNegInf;
+#pragma omp simd reduction(max : top)
+          for (int64_t j = a; j < e; ++j) top = std::max(top, x[j]);
+          floor = std::min(floor, top);
+        }
+      }
+      for (int64_t n = 0; n < n_vis; ++n) {
+        const float v = x[n];
+        if (v < floor || (m == k && !(v >= bv[k - 1]))) continue;
+        insert(v, n);
+      }
+      // fewer than k visible: the hidden ones fill the rest, latest first, weight zero
+      for (int64_t n = N - 1; m < k; --n) {
+        bv[m] = kNegInf;
+        bi[m++] = n;
+      }
+      const float on = onp[row];
+      float top = on;
+      for (int64_t j = 0; j < k; ++j) top = std::max(top, bv[j]);
+      float sum = 0.f;
+      float* wr = wp + row * k;
+      for (int64_t j = 0; j < k; ++j) {
+        wr[j] = bv[j] == kNegInf ? 0.f : std::exp(bv[j] - top);
+        sum += wr[j];
+      }
+      const float e_on = std::exp(on - top);
+      sum += e_on;
+      for (int64_t j = 0; j < k; ++j) wr[j] /= sum;
+      wonp[row] = e_on / sum;
+      std::copy(bi.begin(), bi.end(), ip + row * k);
+    }
+  });
+  return {idx, w, w_on};
+}
+
 }  // namespace mcserve_ops

@@ -244,6 +244,19 @@ def topk_later(r: Tensor, k: int) -> Tensor:
     return N - 1 - order
 
 
+def select_softmax(r: Tensor, visible: Tensor, r_on: Tensor, k: int
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """r ``(R, N)`` with entries n >= visible[row] taken as -inf: each row's ``topk_later``
+    picks, and the softmax over [their scores, r_on] → idx ``(R, k)``, w ``(R, k)``, w_on
+    ``(R,)``."""
+    N = r.shape[-1]
+    hidden = torch.arange(N, device=r.device)[None, :] >= visible[:, None]
+    masked = r.masked_fill(hidden, float("-inf"))
+    idx = topk_later(masked, k)
+    gamma = torch.softmax(torch.cat([masked.gather(-1, idx), r_on[:, None]], -1), -1)
+    return idx, gamma[:, :-1], gamma[:, -1]
+
+
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                silu: bool) -> Tensor:
     """tail ``(B, W-1, C)``, x ``(B, C)``, weight ``(C, W)`` → act(conv) ``(B, C)``; the tail
