@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from mcserve.config import MCConfig
+from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.checkpoint import CheckpointError
 
 #: the MC settings a config.json may carry
@@ -362,19 +363,7 @@ class ConvInput(NamedTuple):
 
 
 def causal_conv(inp: ConvInput, w: Tensor) -> Tensor:
-    """Depthwise causal conv of the span: ``w`` ``(C, W)`` → ``(B, T, C)``, without bias, as
-    ``W`` shifted multiply-adds (faster than a grouped conv1d on CPU): out[t] = Σ_j w[:, j]·
-    [tail; x][t + j]; tap j reads x shifted by s = W - 1 - j, and the tail for t < s."""
-    tail, x = inp
-    T, W = x.shape[1], w.shape[1]
-    # the taps as contiguous rows (a strided column of w broadcast over (B, T, C) takes torch's
-    # slow elementwise path, 5-10x slower at C = 768), each added in one fused pass
-    wt = w.t().contiguous()  # (W, C)
-    out = x * wt[W - 1]
-    for j in range(W - 1):
-        s = W - 1 - j
-        if s < T:
-            out[:, s:].addcmul_(x[:, :T - s], wt[j])
-        m = min(s, T)
-        out[:, :m].addcmul_(tail[:, j:j + m], wt[j])
-    return out
+    """Depthwise causal conv of the span: ``w`` ``(C, W)`` → ``(B, T, C)``, without bias:
+    out[t] = Σ_j w[:, j]·[tail; x][t + j], in one C++ pass on the CPU
+    (``kernels.cpu.conv_span``), else W shifted multiply-adds (its twin)."""
+    return cpu_ops.conv_span(inp.tail, inp.x, w)

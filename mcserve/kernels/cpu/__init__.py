@@ -525,6 +525,15 @@ def mask_logits_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
     return m.mask_logits_(logits, rows.contiguous(), bitmask)
 
 
+def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Depthwise causal conv of a span after its tail, one pass (twin ``twins.conv_span``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(tail, x, weight, bias) or tail.stride(-1) != 1
+            or x.stride(-1) != 1):
+        return twins.conv_span(tail, x, weight, bias)
+    return m.conv_span(tail, x, weight, bias)
+
+
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                silu: bool) -> Tensor:
     """One token of a depthwise causal conv, tail shifted in place (twin ``twins.conv_step_``)."""

@@ -1,6 +1,7 @@
 // Whole blocks of a decode step in one call: mcserve's native block (native_block_decode_) and a
 // Mamba2 block (mamba2_block_decode_; ops.cpp's Mamba2Stack runs it for every layer), with the
-// pieces they share that are ops of their own too (conv_step_, rms_norm).
+// pieces they share that are ops of their own too (conv_step_, rms_norm); and a prefill span's
+// short conv (conv_span).
 #include "common.h"
 #include "lowp.h"
 #include "ops.h"
@@ -18,6 +19,59 @@ namespace {
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 }  // namespace
+
+// Depthwise causal conv of a span (a prefill's), without activation: out[b, t] = bias +
+// Σ_j w[:, j]·[tail; x][b, t + j], tail (B, W-1, C) and x (B, T, C) with contiguous channels,
+// weight (C, W) any strides → (B, T, C); the tail is not modified. One pass over the span
+// (torch's form passes over it once per tap), by (row, tile of tokens) over torch's threads;
+// each output a chain of multiply-adds from the last tap down.
+torch::Tensor conv_span(const torch::Tensor& tail, const torch::Tensor& x,
+                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  check_f32(tail, "conv tail");
+  check_f32(x, "x");
+  check_f32(weight, "conv weight");
+  TORCH_CHECK(tail.dim() == 3 && x.dim() == 3 && weight.dim() == 2, "conv_span: shapes");
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), W = weight.size(1);
+  TORCH_CHECK(W >= 1 && weight.size(0) == C && tail.size(0) == B && tail.size(1) == W - 1 &&
+                  tail.size(2) == C,
+              "conv_span: tail (B, W-1, C), x (B, T, C), weight (C, W) expected");
+  TORCH_CHECK(tail.stride(2) == 1 && x.stride(2) == 1, "conv_span: channels must be contiguous");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_f32(*bias, "conv bias");
+    TORCH_CHECK(bias->numel() == C && bias->is_contiguous(), "conv bias (C,) expected");
+    bp = bias->data_ptr<float>();
+  }
+  const auto wt = weight.t().contiguous();  // (W, C): each tap a contiguous row
+  auto out = torch::empty({B, T, C}, x.options());
+  const float *xp = x.data_ptr<float>(), *tp = tail.data_ptr<float>(),
+              *wp = wt.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), ts0 = tail.stride(0),
+                ts1 = tail.stride(1);
+  constexpr int64_t kTile = 64;
+  const int64_t tiles = (T + kTile - 1) / kTile;
+  at::parallel_for(0, B * tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / tiles, ta = i % tiles * kTile, te = std::min(T, ta + kTile);
+      for (int64_t t = ta; t < te; ++t) {
+        float* o = op + (b * T + t) * C;
+        const float* last = xp + b * xs0 + t * xs1;  // tap W - 1 reads x[t]
+        const float* wl = wp + (W - 1) * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) o[c] = std::fma(wl[c], last[c], bp ? bp[c] : 0.f);
+        for (int64_t j = W - 2; j >= 0; --j) {
+          const int64_t s = t + j - (W - 1);  // the row tap j reads: x[s], or the tail's
+          const float* row = s >= 0 ? xp + b * xs0 + s * xs1 : tp + b * ts0 + (W - 1 + s) * ts1;
+          const float* wj = wp + j * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) o[c] = std::fma(wj[c], row[c], o[c]);
+        }
+      }
+    }
+  });
+  return out;
+}
 
 // Depthwise causal conv of one token, in place on the tail: out = act(Σ_j w[:, j]·window_j + bias)
 // where window = [tail (B, W-1, C); x (B, C)]; the tail then shifts by one (x enters last).

@@ -136,6 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's k best visible scores (ties to the later) and their softmax with r_on");
   m.def("readout_picks", &readout_picks,
         "each token's picked checkpoints read out over a prefill span, grouped by checkpoint");
+  m.def("conv_span", &conv_span, "depthwise causal conv of a span after its tail");
   m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");
   m.def("rms_norm", &rms_norm, "grouped RMSNorm, optionally gated by silu(z)");
   m.def("mc_scores_", &mc_scores_, "MC routing scores of one token; seg_ksum += k in place");

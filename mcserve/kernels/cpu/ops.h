@@ -58,6 +58,8 @@ torch::Tensor mc_step_readout_(torch::Tensor S, const torch::Tensor& q, const to
                                const torch::Tensor& w_c);
 
 // blocks.cpp: whole blocks of a decode step, and the conv and norm they share
+torch::Tensor conv_span(const torch::Tensor& tail, const torch::Tensor& x,
+                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor conv_step_(torch::Tensor tail, const torch::Tensor& x, const torch::Tensor& weight,
                          const c10::optional<torch::Tensor>& bias, bool apply_silu);
 torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight,

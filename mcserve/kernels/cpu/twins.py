@@ -257,6 +257,26 @@ def select_softmax(r: Tensor, visible: Tensor, r_on: Tensor, k: int
     return idx, gamma[:, :-1], gamma[:, -1]
 
 
+def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Depthwise causal conv of a span without activation: tail ``(B, W-1, C)``, x ``(B, T,
+    C)``, weight ``(C, W)`` → out[t] = bias + Σ_j w[:, j]·[tail; x][t + j] ``(B, T, C)``, as W
+    shifted multiply-adds (tap j reads x shifted by s = W - 1 - j, and the tail for t < s)."""
+    T, W = x.shape[1], weight.shape[1]
+    # the taps as contiguous rows (a strided column of w broadcast over (B, T, C) takes torch's
+    # slow elementwise path, 5-10x slower at C = 768), each added in one fused pass
+    wt = weight.t().contiguous()  # (W, C)
+    out = x * wt[W - 1]
+    if bias is not None:
+        out += bias
+    for j in range(W - 1):
+        s = W - 1 - j
+        if s < T:
+            out[:, s:].addcmul_(x[:, :T - s], wt[j])
+        m = min(s, T)
+        out[:, :m].addcmul_(tail[:, j:j + m], wt[j])
+    return out
+
+
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                silu: bool) -> Tensor:
     """tail ``(B, W-1, C)``, x ``(B, C)``, weight ``(C, W)`` → act(conv) ``(B, C)``; the tail
