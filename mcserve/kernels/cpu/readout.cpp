@@ -297,10 +297,61 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
   return y;
 }
 
+namespace {
+
+// The k best entries of a row in topk_later's order (largest first, ties to the later index),
+// kept in a small sorted list while the row is walked left to right: an entry only has to beat
+// the list's last (worst) one, and none below the least of k group maxima (found with vector
+// max) is looked at twice.
+struct LaterTopK {
+  std::vector<float> v;
+  std::vector<int64_t> at;
+  int64_t k, m = 0;
+  explicit LaterTopK(int64_t k) : v(k), at(k), k(k) {}
+
+  void insert(float x, int64_t n) {  // before every kept entry <= x (n is later than them all)
+    int64_t p = m < k ? m : k - 1;
+    while (p > 0 && v[p - 1] <= x) {
+      v[p] = v[p - 1];
+      at[p] = at[p - 1];
+      --p;
+    }
+    v[p] = x;
+    at[p] = n;
+    if (m < k) ++m;
+  }
+
+  // a new row: its entries x[0, n) first, then entries n .. N - 1 that score -inf
+  void row(const float* x, int64_t n, int64_t N) {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    m = 0;
+    float floor = kNegInf;
+    if (n >= 2 * k) {  // k entries are >= the least group maximum: nothing below it is kept
+      floor = -kNegInf;
+      for (int64_t g = 0; g < k; ++g) {
+        const int64_t a = g * n / k, e = (g + 1) * n / k;
+        float top = kNegInf;
+#pragma omp simd reduction(max : top)
+        for (int64_t j = a; j < e; ++j) top = std::max(top, x[j]);
+        floor = std::min(floor, top);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float y = x[j];
+      if (y < floor || (m == k && !(y >= v[k - 1]))) continue;
+      insert(y, j);
+    }
+    // of the -inf ones only the last k can rank among the k best (later ranks first)
+    for (int64_t j = std::max(n, N - k); j < N; ++j)
+      if (m < k || v[k - 1] == kNegInf) insert(kNegInf, j);
+  }
+};
+
+}  // namespace
+
 // Indices of the k largest entries of each row of r (R, N), largest first; among equal values
-// the later index ranks first (the most recent checkpoint). One pass per row keeps the k best in
-// a small sorted list: a new entry only has to beat the list's last (worst) one, and none below
-// the least of k group maxima (found with vector max) is looked at twice. → (R, k) int64.
+// the later index ranks first (the most recent checkpoint). One pass per row (LaterTopK).
+// → (R, k) int64.
 torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
   check_f32(r, "r");
   TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1, "topk_later: r (R, N) with unit column stride");
@@ -310,44 +361,13 @@ torch::Tensor topk_later(const torch::Tensor& r, int64_t k) {
   const float* rp = r.data_ptr<float>();
   int64_t* op = idx.data_ptr<int64_t>();
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<float> bv(k);
-    std::vector<int64_t> bi(k);
+    LaterTopK best(k);
     for (int64_t row = r0; row < r1; ++row) {
       const float* x = rp + row * rs;
-      int64_t m = 0;
-      // keep x[n]: before every kept entry with a value <= v (n is later than all of them)
-      auto insert = [&](float v, int64_t n) {
-        int64_t p = m < k ? m : k - 1;
-        while (p > 0 && bv[p - 1] <= v) {
-          bv[p] = bv[p - 1];
-          bi[p] = bi[p - 1];
-          --p;
-        }
-        bv[p] = v;
-        bi[p] = n;
-        if (m < k) ++m;
-      };
-      // hidden checkpoints score -inf at the row's end: only [0, n_end) can hold more
-      int64_t n_end = N;
+      int64_t n_end = N;  // hidden checkpoints score -inf at the row's end
       while (n_end > 0 && x[n_end - 1] == -std::numeric_limits<float>::infinity()) --n_end;
-      float floor = -std::numeric_limits<float>::infinity();
-      if (n_end >= 2 * k) {
-        // the least of k group maxima: k entries are >= it, so nothing below it is kept
-        floor = std::numeric_limits<float>::infinity();
-        for (int64_t g = 0; g < k; ++g) {
-          const int64_t a = g * n_end / k, e = (g + 1) * n_end / k;
-          float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-          for (int64_t j = a; j < e; ++j) top = std::max(top, x[j]);
-          floor = std::min(floor, top);
-        }
-      }
-      for (int64_t n = 0; n < N; ++n) {
-        const float v = x[n];
-        if (v < floor || (m == k && !(v >= bv[k - 1]))) continue;  // not above the worst kept
-        insert(v, n);
-      }
-      std::copy(bi.begin(), bi.end(), op + row * k);
+      best.row(x, n_end, N);
+      std::copy(best.at.begin(), best.at.end(), op + row * k);
     }
   });
   return idx;
@@ -464,44 +484,10 @@ std::vector<torch::Tensor> select_softmax(const torch::Tensor& r, const torch::T
   float *wp = w.data_ptr<float>(), *wonp = w_on.data_ptr<float>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<float> bv(k);
-    std::vector<int64_t> bi(k);
+    LaterTopK best(k);
+    const std::vector<float>& bv = best.v;
     for (int64_t row = r0; row < r1; ++row) {
-      const float* x = rp + row * rs;
-      const int64_t n_vis = std::min(N, std::max<int64_t>(0, vp[row]));
-      int64_t m = 0;
-      auto insert = [&](float v, int64_t n) {  // topk_later's rule: ties to the later index
-        int64_t p = m < k ? m : k - 1;
-        while (p > 0 && bv[p - 1] <= v) {
-          bv[p] = bv[p - 1];
-          bi[p] = bi[p - 1];
-          --p;
-        }
-        bv[p] = v;
-        bi[p] = n;
-        if (m < k) ++m;
-      };
-      float floor = kNegInf;
-      if (n_vis >= 2 * k) {  // the least of k group maxima: nothing below it is kept
-        floor = -kNegInf;
-        for (int64_t g = 0; g < k; ++g) {
-          const int64_t a = g * n_vis / k, e = (g + 1) * n_vis / k;
-          float top = kNegInf;
-#pragma omp simd reduction(max : top)
-          for (int64_t j = a; j < e; ++j) top = std::max(top, x[j]);
-          floor = std::min(floor, top);
-        }
-      }
-      for (int64_t n = 0; n < n_vis; ++n) {
-        const float v = x[n];
-        if (v < floor || (m == k && !(v >= bv[k - 1]))) continue;
-        insert(v, n);
-      }
-      // fewer than k visible: the hidden ones fill the rest, latest first, weight zero
-      for (int64_t n = N - 1; m < k; --n) {
-        bv[m] = kNegInf;
-        bi[m++] = n;
-      }
+      best.row(rp + row * rs, std::min(N, std::max<int64_t>(0, vp[row])), N);
       const float on = onp[row];
       float top = on;
       for (int64_t j = 0; j < k; ++j) top = std::max(top, bv[j]);
@@ -515,7 +501,7 @@ std::vector<torch::Tensor> select_softmax(const torch::Tensor& r, const torch::T
       sum += e_on;
       for (int64_t j = 0; j < k; ++j) wr[j] /= sum;
       wonp[row] = e_on / sum;
-      std::copy(bi.begin(), bi.end(), ip + row * k);
+      std::copy(best.at.begin(), best.at.end(), ip + row * k);
     }
   });
   return {idx, w, w_on};
