@@ -11,6 +11,11 @@
 
 namespace mcserve_ops {
 
+namespace {
+constexpr int64_t kCols = 64;
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+}  // namespace
+
 // One token of gated linear attention, in place: S ← a·S + (b·k) vᵀ, returns o = Sᵀ q.
 // S (B, H, K, V) with (K, V) contiguous (rows may be a strided view of a slot pool);
 // q, k (B, H, K) and v (B, H, V) any strides (broadcast views are fine); log_a, b (B, H) or
@@ -151,15 +156,41 @@ std::vector<torch::Tensor> linear_scan(const torch::Tensor& q, const torch::Tens
         const float* vr = vp + bi * vs[0] + t * vs[1] + h * vs[2];
         for (int64_t j = 0; j < V; ++j) vv[j] = vr[j * vs[3]];
         float* out = op + ((bi * T + t) * H + h) * V;
-        for (int64_t j = 0; j < V; ++j) out[j] = 0.f;
         const float* vvp = vv.data();
-        for (int64_t r = 0; r < K; ++r) {
+        // 64 columns at a time with the token's readout in vector registers across all K
+        // rows (GCC/Clang vector types, this CPU's width); -ffp-contract=fast makes each
+        // a·s + kw·v and q·x + o one fused multiply-add, as std::fma does for the last V % 64
+        // columns, so a column's result does not depend on where it sits
+        int64_t j0 = 0;
+        for (; j0 + kCols <= V; j0 += kCols) {
+          const v16f* vc = reinterpret_cast<const v16f*>(vvp + j0);
+          const v16f v0 = vc[0], v1 = vc[1], v2 = vc[2], v3 = vc[3];
+          v16f o0 = {}, o1 = {}, o2 = {}, o3 = {};
+          for (int64_t r = 0; r < K; ++r) {
+            const float kw = kr[r * ks[3]] * w, qv = qr[r * qs[3]];
+            v16f* row = reinterpret_cast<v16f*>(s + r * V + j0);
+            const v16f x0 = a * row[0] + kw * v0, x1 = a * row[1] + kw * v1;
+            const v16f x2 = a * row[2] + kw * v2, x3 = a * row[3] + kw * v3;
+            row[0] = x0;
+            row[1] = x1;
+            row[2] = x2;
+            row[3] = x3;
+            o0 = qv * x0 + o0;
+            o1 = qv * x1 + o1;
+            o2 = qv * x2 + o2;
+            o3 = qv * x3 + o3;
+          }
+          v16f* oc = reinterpret_cast<v16f*>(out + j0);
+          oc[0] = o0;
+          oc[1] = o1;
+          oc[2] = o2;
+          oc[3] = o3;
+        }
+        for (int64_t j = j0; j < V; ++j) out[j] = 0.f;
+        for (int64_t r = 0; j0 < V && r < K; ++r) {
           const float kw = kr[r * ks[3]] * w, qv = qr[r * qs[3]];
           float* row = s + r * V;
-          // explicit fused multiply-adds: the vector body and any scalar peel or remainder
-          // round alike, so a row's result does not depend on its alignment in the batch
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) {
+          for (int64_t j = j0; j < V; ++j) {
             const float x = std::fma(a, row[j], kw * vvp[j]);
             row[j] = x;
             out[j] = std::fma(qv, x, out[j]);
