@@ -385,7 +385,13 @@ class MCMemory(LogLinearMixin):
                 "mem": dict(st.mem), "ksum": st.seg_ksum, "pos": st.pos,
                 "csum": ({key: st.cached[key][:, 0] for key in block} if self.collapsed
                          else None)})
-        st.n_segments += 1
+        self._new_segment(st, 1, init)
+
+    def _new_segment(self, st: MCLayerState, pushed: int,
+                     init: dict[str, Tensor] | None) -> None:
+        """After ``pushed`` segments were cached: an empty online segment (in independent mode
+        from the initial memory)."""
+        st.n_segments += pushed
         st.seg_ksum = torch.zeros_like(st.seg_ksum)
         st.seg_len = 0
         if self.cfg.independent:
@@ -403,13 +409,8 @@ class MCMemory(LogLinearMixin):
         if st.record is not None:
             st.record += [{"mem": {"S": S[:, i]}, "ksum": ksum[:, i], "pos": p, "csum": None}
                           for i, p in enumerate(pos)]
-        st.n_segments += len(pos)
-        st.mem, st.pos, st.seg_len = {"S": S[:, -1]}, pos[-1], 0
-        st.seg_ksum = torch.zeros_like(ksum[:, -1])
-        if self.cfg.independent:
-            B, H, K = st.seg_ksum.shape
-            st.mem = self.family.init_state(B, H, K, st.v_dim, dtype=st.seg_ksum.dtype,
-                                            device=st.seg_ksum.device, init=init)
+        st.mem, st.pos = {"S": S[:, -1]}, pos[-1]
+        self._new_segment(st, len(pos), init)
 
     # ------------------------------------------------------------------ one piece
     def _piece(self, st: MCLayerState, q: Tensor, k: Tensor, v: Tensor, u: Tensor,
