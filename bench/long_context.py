@@ -355,7 +355,9 @@ def main(argv: list[str] | None = None) -> None:
            "units": "tokens_per_s = batch / median step seconds; bytes per sequence",
            "results": rows, "targets": tgt, "seconds": total, "model_seconds": timings}
     name = "tmp_long_context_quick.json" if args.quick else "long_context.json"
-    paths = (write_json(out, args.out) if args.no_save and args.out
+    if args.no_save and not args.out:
+        return  # nothing asked to be written
+    paths = (write_json(out, args.out) if args.no_save
              else write_json(out, name, extra=args.out))
     print("wrote " + ", ".join(str(p) for p in paths))
 

@@ -46,5 +46,11 @@ def test_conv_span_matches_twin(B, T, C, W):
     got = cpu.conv_span(tail, x, w, bias)
     torch.testing.assert_close(got, twins.conv_span(tail, x, w, bias), rtol=1e-5, atol=1e-5)
     assert torch.equal(tail, keep)
+    # with the SiLU in the same pass (16 channels at a time, the rest one by one): against the
+    # twin and against F.silu of the plain conv
+    act = cpu.conv_span(tail, x, w, bias, silu=True)
+    want = twins.conv_span(tail, x, w, bias, True)
+    torch.testing.assert_close(act, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(act, F.silu(got), rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="conv_span"):
-        cpu.ops().conv_span(tail[:, 1:], x, w, bias)
+        cpu.ops().conv_span(tail[:, 1:], x, w, bias, False)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mcserve.kernels import cpu
 from mcserve.kernels.cpu import twins
@@ -260,6 +261,44 @@ def test_rms_norm_matches_twin(R, D, group, wlen, gate):
     assert rel_err(got, twins.rms_norm(x, w, 1e-5, group, z, nbg)) < 1e-5
 
 
+
+@pytest.mark.parametrize("R,H", [(1, 1), (5, 37), (64, 688)], ids=["one", "odd", "mlp"])
+def test_silu_mul_matches_twin(R, H):
+    # the halves of a stacked projection (strided rows), values spanning the SiLU's range
+    # (large negative ones give -0, large positive ones themselves), a NaN passed through
+    g = torch.Generator().manual_seed(R + H)
+    gu = torch.randn(R, 2 * H, generator=g) * 20.0
+    gu[0, 0] = float("nan")
+    gate, up = gu[:, :H], gu[:, H:]
+    got = cpu.silu_mul(gate, up)
+    assert got.is_contiguous() and got.shape == (R, H)
+    want = twins.silu_mul(gate, up)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    x = torch.tensor([-200.0, -90.0, -20.0, -1e-3, 0.0, 1e-3, 3.0, 20.0, 90.0, 200.0] * 2)
+    torch.testing.assert_close(cpu.silu_mul(x[None], torch.ones(1, 20)), F.silu(x)[None],
+                               rtol=1e-6, atol=1e-30)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        cpu.ops().silu_mul(gate, up[:, :-1])
+
+
+@pytest.mark.parametrize("R,D,group", [(1, 4, 4), (7, 96, 32), (33, 512, 64)],
+                         ids=["one", "odd", "qk"])
+def test_l2norm_matches_twin(R, D, group):
+    # in place on a strided view of rows (q and k inside a qkv buffer): the columns past D
+    # untouched, a zero group stays zero (the 1e-12 floor)
+    g = torch.Generator().manual_seed(R * D)
+    buf = torch.randn(R, D + group, generator=g)
+    buf[0, :group] = 0.0
+    keep = buf[:, D:].clone()
+    want = twins.l2norm_(buf[:, :D].clone(), group)
+    got = cpu.l2norm_(buf[:, :D], group)
+    assert got.data_ptr() == buf.data_ptr()
+    assert rel_err(got, want) < 1e-6
+    torch.testing.assert_close(got, F.normalize(want.view(R, -1, group), dim=-1).view(R, D))
+    assert torch.equal(buf[:, D:], keep) and bool((buf[0, :group] == 0).all())
+    with pytest.raises(RuntimeError, match="group"):
+        cpu.ops().l2norm_(buf[:, :D], group + 1)
+
 def test_mc_scores_matches_twin():
     g = torch.Generator().manual_seed(3)
     B, H, K, N, NB = 3, 4, 16, 5, 12
@@ -473,17 +512,19 @@ def test_topk_later_matches_twin(R, N):
 
 
 @pytest.mark.parametrize("A,T,n,N,K,V", [(1, 1, 1, 1, 32, 16), (3, 17, 5, 7, 64, 64),
-                                          (2, 33, 9, 9, 32, 80), (4, 40, 3, 4, 96, 48)],
+                                          (2, 33, 40, 45, 5, 80), (4, 70, 33, 33, 96, 48)],
                          ids=["one", "odd", "v80", "k96"])
 def test_readout_bf16_matches_twin(A, T, n, N, K, V):
     """The bfloat16 cached readout of a prefill tile on AMX tiles against its twin: token tiles
-    with a partial last one, V in several 64-wide passes and a partial pass, checkpoints beyond
-    n ignored, o / w / q read through strides and only added into."""
+    with a partial last one, more than one step of 32 checkpoints and a partial one, an odd
+    number of 16-column groups (K = 5, V = 80), checkpoints beyond n ignored, o / w / q read
+    through strides and only added into."""
     info = cpu.lowp_info()
     if not cpu.readout_bf16_fused(K, V):
         pytest.skip(f"needs a CPU with AMX-BF16 (here: {info.get('amx_note') or 'capped'})")
     g = torch.Generator().manual_seed(A * 100 + T + K)
-    S = twins.pair_keys(torch.randn(A, N, K, V, generator=g))
+    S32 = torch.randn(A, N, K, V, generator=g)
+    S = twins.ckpt_pairs(S32)
     w = torch.rand(A, T + 2, n + 3, generator=g)[:, 1:T + 1, :n]
     q = torch.randn(A, T, K + 5, generator=g)[..., 5:]
     base = torch.randn(A, T + 1, V, generator=g)
@@ -492,12 +533,13 @@ def test_readout_bf16_matches_twin(A, T, n, N, K, V):
     cpu.readout_bf16_(got_base[:, 1:], w, q, S)
     torch.testing.assert_close(got_base[:, 1:], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_base[:, 0], base[:, 0])  # the row before the view untouched
-    # float32 sums of the same bfloat16 products: far closer to the twin than bfloat16's step
-    plain = (w[..., None] * q[:, :, None, :]).reshape(A, T, n * K)
-    exact = base[:, 1:] + plain @ S[:, :n].transpose(-1, -2).reshape(A, n * K, V).float()
-    assert (got_base[:, 1:] - exact).abs().max() < 5e-2 * exact.abs().max()
-    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+    # against float32 throughout: within bfloat16's rounding of w and S
+    exact = base[:, 1:] + torch.einsum("atn,atk,ankv->atv", w, q, S32[:, :n])
+    assert (got_base[:, 1:] - exact).abs().max() < 2e-2 * exact.abs().max()
+    with pytest.raises(RuntimeError, match="V a multiple of 16"):
         cpu.ops().readout_bf16_amx_(base[:, 1:, :V - 1], w, q, S)
+    with pytest.raises(RuntimeError, match="multiple of 16 holding"):
+        cpu.ops().readout_bf16_amx_(base[:, 1:], w, q, S[:, :, :-1])
 
 
 @pytest.mark.parametrize("A,T,n,K", [(1, 1, 1, 1), (3, 7, 5, 37), (4, 9, 16, 64), (2, 3, 2, 48)],
@@ -518,6 +560,37 @@ def test_outer_bf16_matches_twin(A, T, n, K):
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
         cpu.ops().outer_bf16_(torch.empty(A, T, n, K), w, q)
 
+
+
+@pytest.mark.parametrize("B,n,H,K,V,off", [(1, 1, 1, 2, 8, 0), (2, 5, 3, 6, 24, 3),
+                                            (1, 9, 4, 64, 64, 2), (2, 4, 2, 4, 4, 1)],
+                         ids=["one", "odd", "prefill", "even-n-odd-offset"])
+def test_ckpt_pairs_bf16_matches_twin(B, n, H, K, V, off):
+    # checkpoints into the readout's layout against the twin bit for bit: src a slice of a
+    # larger stack (as a span's new checkpoints are), written at an offset (odd ones share a pair
+    # with the checkpoint before, which must stay); values at bfloat16's rounding ties, NaN, inf
+    # and float's extremes
+    g = torch.Generator().manual_seed(B * n * V + off)
+    stack = torch.randn(B, n + 2, H, K, V, generator=g) * 100.0
+    src = stack[:, 1:n + 1]
+    flat = src[0, 0, 0].view(-1)
+    specials = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, float("nan"), float("inf"),
+                             -float("inf"), 3.4e38, -3.4e38, 1e-45])[:flat.numel()]
+    flat[:specials.numel()] = specials
+    P = (off + n + 2) // 2 + 1
+    fill = torch.randn(B, H, K * V // 16, P, 16, 2, generator=g).to(torch.bfloat16)
+    got, want = fill.clone(), fill.clone()
+    cpu.ckpt_pairs_bf16_(got, src, off)
+    twins.ckpt_pairs_bf16_(want, src, off)
+    nan = want.isnan()  # torch's NaN bits vary with its conversion path: NaN-ness only
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    j = torch.arange(2 * P)
+    outside = (j < off) | (j >= off + n)  # the checkpoints not written keep their values
+    assert torch.equal(got[:, :, :, j[outside] // 2, :, j[outside] % 2],
+                       fill[:, :, :, j[outside] // 2, :, j[outside] % 2])
+    with pytest.raises(RuntimeError, match="past 2P"):
+        cpu.ops().ckpt_pairs_bf16_(got, src, 2 * P - n + 1)
 
 @pytest.mark.parametrize("B,L,N,H,K,V,k", [(1, 1, 1, 1, 4, 4, 1), (2, 37, 9, 3, 5, 70, 3),
                                             (1, 600, 40, 4, 64, 64, 8), (3, 11, 6, 2, 8, 8, 6)],
@@ -566,3 +639,32 @@ def test_select_softmax_matches_twin(R, N, k):
         assert torch.allclose(w.sum(1) + w_on, torch.ones(R))
     with pytest.raises(RuntimeError, match="visible"):
         cpu.ops().select_softmax(r, visible.int(), r_on, k)
+
+
+@pytest.mark.parametrize("R,N", [(1, 1), (37, 11), (64, 256), (9, 45)],
+                         ids=["one", "odd", "prefill", "partial-groups"])
+def test_dense_softmax_matches_twin(R, N):
+    # the dense routing of a prefill tile in place against mask + softmax: rows that see none,
+    # some and all of their checkpoints, visible counts past N (clamped), scores far below the
+    # row's max (weights that underflow to zero), a strided row view; hidden entries hold
+    # garbage (NaN, inf) that must not matter and come back zero
+    g = torch.Generator().manual_seed(R * 100 + N)
+    base = torch.randn(R, N + 3, generator=g) * 30.0
+    r = base[:, 1:N + 1]
+    visible = torch.randint(0, N + 2, (R,), generator=g)
+    visible[0] = N
+    hidden = torch.arange(N)[None, :] >= visible[:, None]
+    r[hidden] = float("nan")
+    r[hidden & (torch.arange(N)[None, :] % 2 == 0)] = float("inf")
+    r_on = torch.randn(R, generator=g) * 30.0
+    outside = base[:, [0, N + 1, N + 2]].clone()  # the view's neighbours stay as they are
+    want = r.clone()
+    t_on = twins.dense_softmax_(want, visible, r_on)
+    w_on = cpu.dense_softmax_(r, visible, r_on)
+    assert torch.allclose(r, want, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(w_on, t_on, atol=1e-6, rtol=1e-5)
+    assert bool((r[hidden] == 0).all()) and not bool(r.isnan().any())
+    assert torch.allclose(r.sum(1) + w_on, torch.ones(R), atol=1e-5)
+    assert torch.equal(base[:, [0, N + 1, N + 2]], outside)
+    with pytest.raises(RuntimeError, match="visible"):
+        cpu.ops().dense_softmax_(r, visible.int(), r_on)

@@ -259,29 +259,30 @@ def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_
     tensor is ever whole (at 8K tokens and 128 checkpoints each is 16 MiB per head, and the
     unfused form passes over five of them). The checkpoints are laid out head-major once,
     straight from their parts (rounded to ``dtype`` on the way). bfloat16 on a CPU with AMX
-    tiles: each tile's weighted readout is one C++ pass (``kernels.cpu.readout_bf16_``, the
-    checkpoints in key pairs), with no X buffer and float32 sums throughout."""
+    tiles: each tile's weighted readout is one C++ pass (``kernels.cpu.readout_bf16_``: the
+    weights times the checkpoints 32 at a time, then the queries, in float32), with no X buffer
+    and float32 sums throughout."""
     B, L, H, K = q.shape
     V = S[0].shape[-1]
     N = sum(s.shape[1] for s in S)
     low = dtype is not None and dtype != q.dtype
-    # bfloat16 on AMX tiles: one C++ pass per tile, checkpoints in key pairs
+    # bfloat16 on AMX tiles: one C++ pass per tile
     fused = low and dtype == torch.bfloat16 and cpu_ops.readout_bf16_fused(K, V)
     BH = B * H
-    if fused:
-        Sx = torch.empty((B, H, N, K // 2, V, 2), dtype=dtype, device=q.device)
-        dst = Sx.view(B, H, N, K // 2, V, 2).transpose(-1, -2)  # (.., K/2, 2, V) views
+    if fused:  # checkpoint pairs in groups of 16 columns, converted in one pass per part
+        P = ((N + 1) // 2 + 15) // 16 * 16  # pairs, a whole number of the kernel's steps
+        Sx = torch.empty((B, H, K * V // 16, P, 16, 2), dtype=dtype, device=q.device)
+        n = 0
+        for part in S + ((q.new_zeros(B, 2 * P - N, H, K, V),) if 2 * P > N else ()):
+            cpu_ops.ckpt_pairs_bf16_(Sx, part, n)
+            n += part.shape[1]
     else:
         Sx = torch.empty((B, H, N, K, V), dtype=dtype if low else q.dtype, device=q.device)
-        dst = Sx
-    n = 0
-    for part in S:
-        src = part.permute(0, 2, 1, 3, 4)
-        if fused:
-            src = src.reshape(B, H, part.shape[1], K // 2, 2, V)
-        dst[:, :, n:n + part.shape[1]].copy_(src)
-        n += part.shape[1]
-    Sx = Sx.view(BH, N, K // 2, V, 2) if fused else Sx.view(BH, N * K, V)
+        n = 0
+        for part in S:
+            Sx[:, :, n:n + part.shape[1]].copy_(part.permute(0, 2, 1, 3, 4))
+            n += part.shape[1]
+    Sx = Sx.view(BH, K * V // 16, -1, 16, 2) if fused else Sx.view(BH, N * K, V)
     heads = lambda x: x.permute(0, 2, 1, 3).reshape(BH, x.shape[1], x.shape[3])  # noqa: E731
     qh, oh = heads(q), heads(o)  # (BH, L, K), (BH, L, V)
     uh = heads(u)
@@ -292,7 +293,6 @@ def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_
     buf = torch.empty(0 if fused else BH * min(L, tile) * min(N, block) * K, dtype=Sx.dtype,
                       device=q.device)
     pos = torch.arange(L, device=q.device) // segment_len + n_carried  # checkpoints t sees
-    cols = torch.arange(N, device=q.device)
     for t0 in range(0, L, tile):
         t1 = min(L, t0 + tile)
         T = t1 - t0
@@ -302,14 +302,10 @@ def _readout_dense(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor, r_
             o_t.copy_(oh[:, t0:t1])
             continue
         w = torch.bmm(uh[:, t0:t1], kh[:, :n_vis].transpose(1, 2))  # (BH, T, n_vis) scores
-        w.masked_fill_(cols[None, :n_vis] >= pos[t0:t1, None], float("-inf"))
-        r1 = ron[:, t0:t1]
-        m = torch.maximum(w.amax(-1), r1)  # finite: the online score always counts
-        w.sub_(m[..., None]).exp_()
-        e_on = (r1 - m).exp_()
-        inv = (w.sum(-1) + e_on).reciprocal_()
-        w.mul_(inv[..., None])
-        torch.mul(oh[:, t0:t1], (e_on * inv)[..., None], out=o_t)
+        # each token's softmax over the checkpoints it sees and its online score, in place
+        w_on = cpu_ops.dense_softmax_(w.view(-1, n_vis), pos[t0:t1].expand(BH, T).reshape(-1),
+                                      ron[:, t0:t1].reshape(-1))
+        torch.mul(oh[:, t0:t1], w_on.view(BH, T, 1), out=o_t)
         if fused:
             cpu_ops.readout_bf16_(o_t, w, qh[:, t0:t1], Sx)
             continue
@@ -432,8 +428,14 @@ def mc_linear_chunk(
         o = torch.cat([o.new_zeros(B, f0, H, V), o, o.new_zeros(B, pad, H, V)], 1)
         o = o.view(B, G, C, H, V)
     # ---- online scores: the mean key of the online segment so far, token t included
-    kc = kf.cumsum(2)  # (B, G, C, H, K)
-    kc[:, 0] += initial_ksum[:, None]
+    if torch.is_grad_enabled():
+        kc = kf.cumsum(2)  # (B, G, C, H, K)
+        kc[:, 0] += initial_ksum[:, None]
+    else:  # the running sums in place, in the decode step's order (twice cumsum's speed here)
+        kc = kf.clone()
+        kc[:, 0, 0] += initial_ksum
+        for c in range(1, C):
+            kc[:, :, c] += kc[:, :, c - 1]
     seg_ksum = kc[:, :, -1]  # (B, G, H, K) key sum of each (padded) segment
     if mc.fixed_weights:
         # collapsed: the cached memories are one running sum; segment g adds g new checkpoints

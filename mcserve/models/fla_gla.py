@@ -221,7 +221,7 @@ class GLAMixer(nn.Module):
             w = w[:, 0]  # (C, W)
             full = ConvInput(conv_tail.to(qkv.dtype), qkv)  # [tail; qkv] (B, W-1+T, C)
             conv_tail = full.new_tail()
-            qkv = F.silu(causal_conv(full, w), inplace=True)
+            qkv = causal_conv(full, w, silu=True)
         q, k, v = qkv.split(self.widths, dim=-1)
         gk = self.gk_proj(x)
         q = q.reshape(B, T, H, K)

@@ -362,8 +362,8 @@ class ConvInput(NamedTuple):
         return self.rows(self.x.shape[1], self.tail.shape[1])
 
 
-def causal_conv(inp: ConvInput, w: Tensor) -> Tensor:
+def causal_conv(inp: ConvInput, w: Tensor, silu: bool = False) -> Tensor:
     """Depthwise causal conv of the span: ``w`` ``(C, W)`` → ``(B, T, C)``, without bias:
-    out[t] = Σ_j w[:, j]·[tail; x][t + j], in one C++ pass on the CPU
+    out[t] = Σ_j w[:, j]·[tail; x][t + j], then SiLU when ``silu``; in one C++ pass on the CPU
     (``kernels.cpu.conv_span``), else W shifted multiply-adds (its twin)."""
-    return cpu_ops.conv_span(inp.tail, inp.x, w)
+    return cpu_ops.conv_span(inp.tail, inp.x, w, None, silu)

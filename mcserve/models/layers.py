@@ -82,6 +82,10 @@ class SwiGLU(nn.Module):
         gate, up = self.up(x).chunk(2, dim=-1)
         if torch.is_grad_enabled():
             return self.down(F.silu(gate) * up)
+        if x.is_cpu:  # one pass into a contiguous (T, hidden), which the next GEMM reads as is
+            shape = gate.shape
+            h = cpu_ops.silu_mul(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1]))
+            return self.down(h.view(shape))
         # inference: in place on the projection's output (two fewer (T, hidden) temporaries)
         return self.down(F.silu(gate, inplace=True).mul_(up))
 
@@ -98,5 +102,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if x.is_cpu:  # one pass for the SiLU and the product
+            g, u = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(cpu_ops.silu_mul(g.reshape(-1, g.shape[-1]),
+                                                   u.reshape(-1, u.shape[-1])).view(g.shape))
         # inference: in place on the gate projection's output (two fewer temporaries)
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))

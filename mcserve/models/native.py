@@ -166,7 +166,7 @@ class MCMixer(nn.Module):
         full = ConvInput(conv_tail, qkv)  # [tail; qkv] (B, w-1+T, 3HK), not concatenated
         # depthwise causal conv as w shifted multiply-adds: torch's grouped conv1d is orders of
         # magnitude slower on CPU for these shapes (and in float64)
-        out = F.silu(causal_conv(full, self.conv.weight[:, 0]), inplace=True)
+        out = causal_conv(full, self.conv.weight[:, 0], silu=True)
         return out, full.new_tail(), full
 
     def _heads(self, x: Tensor, qkv: Tensor):
@@ -174,9 +174,13 @@ class MCMixer(nn.Module):
         ``(B, T, H, K)`` (q and k normalised) and the gates."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
-        q = F.normalize(q, dim=-1)
-        k = F.normalize(k, dim=-1)
+        if torch.is_grad_enabled() or not qkv.is_cpu or not qkv.is_contiguous():
+            q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # each (B, T, H, K)
+            q = F.normalize(q, dim=-1)
+            k = F.normalize(k, dim=-1)
+        else:  # CPU inference: q and k normalised in place, one pass
+            cpu_ops.l2norm_(qkv.view(B * T, 3 * H * K)[:, :2 * H * K], K)
+            q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
         u = self.u_proj(x).view(B, T, H, K) if self.u_proj is not None else q
         return q, k, v, u, self.gates(x)
 
@@ -275,10 +279,11 @@ class MCMixer(nn.Module):
 
     def _output(self, x: Tensor, y: Tensor, g: Tensor | None = None) -> Tensor:
         B, T = x.shape[:2]
-        if g is None:
-            y = self.out_norm(y).reshape(B, T, self.H * self.K) * F.silu(self.g_proj(x))
-        else:  # decode: per-head norm and the silu(g) gate in one op
-            HK = self.H * self.K
+        HK = self.H * self.K
+        if g is None and (torch.is_grad_enabled() or not y.is_cpu):
+            y = self.out_norm(y).reshape(B, T, HK) * F.silu(self.g_proj(x))
+        else:  # CPU inference: per-head norm and the silu(g) gate in one op
+            g = self.g_proj(x) if g is None else g
             y = cpu_ops.rms_norm(y.reshape(B * T, HK), self.out_norm.weight, self.out_norm.eps,
                                  self.K, g.reshape(B * T, HK), True).view(B, T, HK)
         return self.o_proj(y)

@@ -41,7 +41,7 @@ _DIR = Path(__file__).parent
 _SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
                                     "readout.cpp", "blocks.cpp", "lowp.cpp", "amx.cpp",
                                     "experts.cpp", "sampling.cpp"))
-_HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h"))
+_HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h", "vmath.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -363,24 +363,36 @@ def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
 
 def readout_bf16_fused(K: int, V: int) -> bool:
     """True when ``readout_bf16_`` runs in one C++ pass on AMX tiles for keys of K and values of
-    V (K a multiple of 32, V of 16, bfloat16 level 4 under the current cap)."""
+    V (V a multiple of 16, bfloat16 level 4 under the current cap)."""
     m = ops()
-    return (m is not None and K % 32 == 0 and V % 16 == 0 and K > 0 and V > 0
+    return (m is not None and V % 16 == 0 and K > 0 and V > 0
             and int(m.lowp_info()["bf16_impl"]) >= 4)
 
 
 def readout_bf16_(o: Tensor, w: Tensor, q: Tensor, S: Tensor) -> Tensor:
-    """o ``(A, T, V)`` += Σ_j bf16(w[:, :, j] ⊗ q) @ S[:, j] in place with float32 sums (twin
-    ``twins.readout_bf16_``, same signature; S in ``twins.pair_keys``' layout): the bfloat16
-    cached readout of an MC prefill tile. On AMX tiles (``readout_bf16_fused``) the weighted
-    queries are built 16 tokens × 32 keys at a time and multiplied at once, with no
-    ``(T, n, K)`` buffer and no rounding of the partial sums; the twin elsewhere."""
+    """o ``(A, T, V)`` += Σ_j Σ_k q[:, :, k] · bf16(w[:, :, j]) · bf16(S_j)[k] in place with
+    float32 sums (twin ``twins.readout_bf16_``, same signature; S in ``twins.ckpt_pairs``'
+    layout): the bfloat16 cached readout of an MC prefill tile. On AMX tiles
+    (``readout_bf16_fused``) the weights of 32 tokens and 32 checkpoints multiply 16 columns of
+    32 checkpoints at once, and the sums meet the queries in float32; the twin elsewhere."""
     m = ops()
     if (m is None or not readout_bf16_fused(q.shape[-1], o.shape[-1]) or not _f32_cpu(o, w, q)
             or o.stride(-1) != 1 or w.stride(-1) != 1 or q.stride(-1) != 1
             or S.dtype != torch.bfloat16 or not S.is_contiguous()):
         return twins.readout_bf16_(o, w, q, S)
     return m.readout_bf16_amx_(o, w, q, S)
+
+
+def ckpt_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
+    """Checkpoints src ``(B, n, H, K, V)`` float32 into ``readout_bf16_``'s layout in place:
+    dst ``(B, H, K·V/16, P, 16, 2)`` bfloat16 at checkpoints offset .. offset + n, rounded to
+    nearest even; one pass (twin ``twins.ckpt_pairs_bf16_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(src) or src.dim() != 5 or src.stride(-1) != 1
+            or src.stride(-2) != src.shape[-1] or dst.dtype != torch.bfloat16
+            or not dst.is_contiguous()):
+        return twins.ckpt_pairs_bf16_(dst, src, offset)
+    return m.ckpt_pairs_bf16_(dst, src, offset)
 
 
 def lowp_info() -> dict[str, object]:
@@ -513,6 +525,17 @@ def select_softmax(r: Tensor, visible: Tensor, r_on: Tensor, k: int
     return idx, w, w_on
 
 
+def dense_softmax_(r: Tensor, visible: Tensor, r_on: Tensor) -> Tensor:
+    """Each row's softmax over its first ``visible`` scores and the online score, in place: r
+    ``(R, N)`` becomes the weights (zero past the visible ones), visible ``(R,)`` int64, r_on
+    ``(R,)``; returns the online weights ``(R,)`` (twin ``twins.dense_softmax_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(r, r_on) or r.dim() != 2 or r.stride(-1) != 1
+            or visible.dtype != torch.int64 or visible.device.type != "cpu"):
+        return twins.dense_softmax_(r, visible, r_on)
+    return m.dense_softmax_(r, visible, r_on)
+
+
 def mask_logits_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
     """The grammar bitmask ``(R, W)`` int32 of rows ``rows`` (int64) applied to ``logits``
     ``(B, V)`` in place: tokens whose bit is clear become -inf (twin ``twins.mask_logits_``)."""
@@ -525,13 +548,34 @@ def mask_logits_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
     return m.mask_logits_(logits, rows.contiguous(), bitmask)
 
 
-def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Depthwise causal conv of a span after its tail, one pass (twin ``twins.conv_span``)."""
+def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None,
+              silu: bool = False) -> Tensor:
+    """Depthwise causal conv of a span after its tail, then SiLU when ``silu``; one pass
+    (twin ``twins.conv_span``)."""
     m = ops()
     if (m is None or not _f32_cpu(tail, x, weight, bias) or tail.stride(-1) != 1
             or x.stride(-1) != 1):
-        return twins.conv_span(tail, x, weight, bias)
-    return m.conv_span(tail, x, weight, bias)
+        return twins.conv_span(tail, x, weight, bias, silu)
+    return m.conv_span(tail, x, weight, bias, silu)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) · up ``(R, H)`` contiguous, one pass (twin ``twins.silu_mul``): gate and up
+    ``(R, H)`` with unit column stride, as the halves of a stacked projection are."""
+    m = ops()
+    if (m is None or not _f32_cpu(gate, up) or gate.dim() != 2 or gate.stride(-1) != 1
+            or up.stride(-1) != 1 or up.shape != gate.shape):
+        return twins.silu_mul(gate, up)
+    return m.silu_mul(gate, up)
+
+
+def l2norm_(x: Tensor, group: int) -> Tensor:
+    """Each group of ``group`` columns of x ``(R, D)`` divided by its L2 norm (at least 1e-12),
+    in place; x may be a view of rows with unit column stride (twin ``twins.l2norm_``)."""
+    m = ops()
+    if m is None or not _f32_cpu(x) or x.dim() != 2 or x.stride(-1) != 1:
+        return twins.l2norm_(x, group)
+    return m.l2norm_(x, group)
 
 
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,

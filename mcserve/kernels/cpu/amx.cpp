@@ -8,9 +8,11 @@
 // products over k in order, whatever the number of rows and however the blocks are split over
 // threads, so a row gives the same result at any batch size (rows only share the tile).
 //
-// The MC prefill's bfloat16 cached readout (readout_bf16_amx_) runs on the same tiles: the left
-// tile is built from the weighted queries bf16(w · q) 32 keys at a time, the right tiles are a
-// checkpoint's key pairs, and the float32 sums of a tile of 16 tokens cover all its checkpoints.
+// The MC prefill's bfloat16 cached readout (readout_bf16_amx_) runs on the same tiles with the
+// routing weights as the left operand: 16 tokens × 32 checkpoints of bf16(w) times 16 checkpoint
+// pairs × 16 columns of the checkpoints' flattened (k, v), so each tile product sums over 32
+// checkpoints at once; the float32 sums M[t, (k, v)] are then read out with the queries in
+// float32, o[t, v] += Σ_k q[t, k] · M[t, (k, v)], on vector registers.
 //
 // Where it runs: the CPU reports AMX-TILE and AMX-BF16 (CPUID leaf 7), the OS saves the tile
 // state (XCR0 bits 17 and 18) and, on Linux, grants this process the tile data permission
@@ -128,76 +130,73 @@ uint64_t xcr0() {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
-// The bfloat16 cached readout (readout_bf16_amx_): 16 tokens × NVT tiles of 16 outputs (NVT
-// <= 4) summed over `n` checkpoints. Per checkpoint and 32 keys the left tile A = bf16(w · q) is
-// built in `a` (16 rows of 32) with AVX512-BF16's conversion, then multiplied by each output
-// tile's 16 key-pairs of the checkpoint (B, stride sb bytes) into sums 0..NVT-1; tiles 5-7 take
-// the B tiles in turn. Rows of `a` at or beyond `rows` stay zero.
-template <int NVT>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"), noinline)) void readout_tiles(
-    const float* w, int64_t ws, const float* q, int64_t qs, int rows, int64_t n, int64_t K,
-    const uint16_t* S, int64_t s_ckpt, int64_t sb, uint16_t* a, float* c) {
-  for (int v = 0; v < NVT; ++v) {
-    if (v == 0) _tile_zero(0);
-    if (v == 1) _tile_zero(1);
-    if (v == 2) _tile_zero(2);
-    if (v == 3) _tile_zero(3);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t k0 = 0; k0 < K; k0 += 32) {
-      for (int r = 0; r < rows; ++r) {
-        const __m512 wv = _mm512_set1_ps(w[r * ws + j]);
-        const float* qr = q + r * qs + k0;
-        const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(qr), wv);
-        const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), wv);
-        _mm512_store_si512(a + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-      _tile_loadd(4, a, 64);
-      // key-pairs k0/2 .. k0/2 + 15 of checkpoint j, output tile v: rows of sb bytes
-      const char* b = reinterpret_cast<const char*>(S + j * s_ckpt) + (k0 / 2) * sb;
-      _tile_loadd(5, b, sb);
-      _tile_dpbf16ps(0, 4, 5);
-      if (NVT > 1) {
-        _tile_loadd(6, b + 64, sb);
-        _tile_dpbf16ps(1, 4, 6);
-      }
-      if (NVT > 2) {
-        _tile_loadd(7, b + 128, sb);
-        _tile_dpbf16ps(2, 4, 7);
-      }
-      if (NVT > 3) {
-        _tile_loadd(5, b + 192, sb);
-        _tile_dpbf16ps(3, 4, 5);
-      }
+// readout_bf16_amx_'s pieces. Tiles 0-3: the sums of token tiles m (rows 0-15, 16-31) and
+// column groups c (two consecutive groups of 16) at 2m + c; 4-5: the weights of the token
+// tiles; 6-7: the column groups' checkpoint pairs.
+
+// rows of bf16(w) for a tile of 32 tokens: `rows` of w's (the rest zero), npad columns (zero
+// past n), in Wb (32 × npad)
+__attribute__((target("avx512f,avx512bf16"))) void ws_weights(const float* w, int64_t ws, int rows,
+                                                              int64_t n, int64_t npad,
+                                                              uint16_t* Wb) {
+  for (int r = 0; r < 32; ++r) {
+    uint16_t* dst = Wb + r * npad;
+    if (r >= rows) {
+      std::memset(dst, 0, sizeof(uint16_t) * npad);
+      continue;
+    }
+    const float* src = w + r * ws;
+    for (int64_t j = 0; j < npad; j += 32) {
+      const int64_t a = std::max<int64_t>(0, std::min<int64_t>(16, n - j));
+      const int64_t b = std::max<int64_t>(0, std::min<int64_t>(16, n - j - 16));
+      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << a) - 1), src + j);
+      const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << b) - 1), src + j + 16);
+      _mm512_storeu_si512(dst + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
-  _tile_stored(0, c, 64);
-  if (NVT > 1) _tile_stored(1, c + 256, 64);
-  if (NVT > 2) _tile_stored(2, c + 512, 64);
-  if (NVT > 3) _tile_stored(3, c + 768, 64);
 }
 
-using ReadoutFn = void (*)(const float*, int64_t, const float*, int64_t, int, int64_t, int64_t,
-                           const uint16_t*, int64_t, int64_t, uint16_t*, float*);
-
-ReadoutFn readout_fn(int nvt) {
-  switch (nvt) {
-    case 1: return &readout_tiles<1>;
-    case 2: return &readout_tiles<2>;
-    case 3: return &readout_tiles<3>;
-    default: return &readout_tiles<4>;
+// the sums of both token tiles and both column groups over `steps` × 32 checkpoints: weights
+// at Wt (row stride lda bytes), the groups' checkpoint pairs at b0 and b1 (512 values per step)
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void ws_tiles(
+    const uint16_t* Wt, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t steps,
+    float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, Wt + s * 32, lda);
+    _tile_loadd(5, reinterpret_cast<const char*>(Wt + s * 32) + 16 * lda, lda);
+    _tile_loadd(6, b0 + s * 512, 64);
+    _tile_loadd(7, b1 + s * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
 }
 
-// o rows += c, 16 outputs per tile
-__attribute__((target("avx512f"))) void add_rows(const float* c, int rows, float* o, int64_t os,
-                                                 int cols) {
-  const __mmask16 m = cols >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                 : static_cast<__mmask16>((1u << cols) - 1);
+// y[r, v..v+15] += q[r, k] · (the sums of column group g at row r), for group g (and g + 1
+// when `both`), columns 16g.. of the flattened (k, v)
+__attribute__((target("avx512f"))) void ws_contract(const float* c, const float* q, int64_t qs,
+                                                    int rows, int64_t g, bool both, int64_t V,
+                                                    float* y) {
+  const int64_t ka = 16 * g / V, va = 16 * g % V;
+  const int64_t kb = 16 * (g + 1) / V, vb = 16 * (g + 1) % V;
   for (int r = 0; r < rows; ++r) {
-    float* orow = o + r * os;
-    _mm512_mask_storeu_ps(orow, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, orow),
-                                                 _mm512_load_ps(c + r * 16)));
+    const float* cr = c + (r / 16) * 512 + (r % 16) * 16;
+    const float* qr = q + r * qs;
+    float* yr = y + r * V;
+    _mm512_storeu_ps(yr + va, _mm512_fmadd_ps(_mm512_set1_ps(qr[ka]), _mm512_load_ps(cr),
+                                              _mm512_loadu_ps(yr + va)));
+    if (both)
+      _mm512_storeu_ps(yr + vb, _mm512_fmadd_ps(_mm512_set1_ps(qr[kb]), _mm512_load_ps(cr + 256),
+                                                _mm512_loadu_ps(yr + vb)));
   }
 }
 
@@ -271,31 +270,44 @@ void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb,
   });
 }
 
-// readout_bf16_amx_'s pass, its arguments checked
+// readout_bf16_amx_'s pass, its arguments checked: units of (head, 32 tokens) over torch's
+// threads; per unit the weights rounded once, then per pair of column groups the tile products
+// of that pair and the readout of the previous pair's sums (two buffers, so the vector work
+// overlaps the tile unit's), the outputs summed in a (32, V) buffer and added into o at the end
 static void readout_rows(float* o, int64_t os0, int64_t os1, const float* w, int64_t ws0,
                          int64_t ws1, const float* q, int64_t qs0, int64_t qs1,
-                         const uint16_t* S, int64_t A, int64_t T, int64_t n, int64_t N, int64_t K,
-                         int64_t V) {
-  const int64_t tiles = (T + 15) / 16;
-  const int64_t s_ckpt = (K / 2) * V * 2;  // bfloat16 values per checkpoint
-  const int64_t sb = V * 2 * static_cast<int64_t>(sizeof(uint16_t));  // bytes per key-pair row
-  // (head, tile of 16 tokens) units, head-major: a thread's tiles share their checkpoints
-  const int64_t work = std::max<int64_t>(1, n * K * V);
-  at::parallel_for(0, A * tiles, std::max<int64_t>(1, (1 << 20) / work), [&](int64_t u0,
-                                                                             int64_t u1) {
+                         const uint16_t* S, int64_t A, int64_t T, int64_t n, int64_t G,
+                         int64_t P, int64_t V) {
+  const int64_t tiles = (T + 31) / 32, steps = (n + 31) / 32, npad = steps * 32;
+  at::parallel_for(0, A * tiles, 1, [&](int64_t u0, int64_t u1) {
     load_config(16);
-    alignas(64) uint16_t a[16 * 32] = {};
-    alignas(64) float c[4 * 256];
+    std::vector<uint16_t> Wb(static_cast<size_t>(32 * npad));
+    std::vector<float> y(static_cast<size_t>(32 * V));
+    alignas(64) float c[2][1024];
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t h = u / tiles, t0 = (u % tiles) * 16;
-      const int rows = static_cast<int>(std::min<int64_t>(16, T - t0));
-      if (rows < 16) std::memset(a, 0, sizeof a);  // the rows past the tile's last token
-      for (int64_t v0 = 0; v0 < V; v0 += 64) {
-        const int nvt = static_cast<int>(std::min<int64_t>(4, (V - v0) / 16));
-        readout_fn(nvt)(w + h * ws0 + t0 * ws1, ws1, q + h * qs0 + t0 * qs1, qs1, rows, n, K,
-                        S + h * N * s_ckpt + v0 * 2, s_ckpt, sb, a, c);
-        for (int v = 0; v < nvt; ++v)
-          add_rows(c + v * 256, rows, o + h * os0 + t0 * os1 + v0 + v * 16, os1, 16);
+      const int64_t h = u / tiles, t0 = (u % tiles) * 32;
+      const int rows = static_cast<int>(std::min<int64_t>(32, T - t0));
+      const float* qt = q + h * qs0 + t0 * qs1;
+      ws_weights(w + h * ws0 + t0 * ws1, ws1, rows, n, npad, Wb.data());
+      std::fill(y.begin(), y.end(), 0.f);
+      const uint16_t* Sh = S + h * G * P * 32;
+      int64_t pending = -1;
+      int buf = 0;
+      for (int64_t g = 0; g < G; g += 2) {
+        const uint16_t* b0 = Sh + g * P * 32;
+        ws_tiles(Wb.data(), npad * 2, b0, g + 1 < G ? b0 + P * 32 : b0, steps, c[buf]);
+        if (pending >= 0)
+          ws_contract(c[1 - buf], qt, qs1, rows, pending, pending + 1 < G, V, y.data());
+        pending = g;
+        buf = 1 - buf;
+      }
+      ws_contract(c[1 - buf], qt, qs1, rows, pending, pending + 1 < G, V, y.data());
+      for (int r = 0; r < rows; ++r) {
+        float* orow = o + h * os0 + (t0 + r) * os1;
+        const float* yr = y.data() + r * V;
+        for (int64_t v = 0; v < V; v += 16)
+          _mm512_storeu_ps(orow + v, _mm512_add_ps(_mm512_loadu_ps(orow + v),
+                                                   _mm512_loadu_ps(yr + v)));
       }
     }
     release();
@@ -331,19 +343,83 @@ torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const t
   TORCH_CHECK(w.size(0) == A && w.size(1) == T && q.size(0) == A && q.size(1) == T,
               "readout_bf16_amx_: o (A, T, V), w (A, T, n) and q (A, T, K) must agree, got ",
               o.sizes(), ", ", w.sizes(), ", ", q.sizes());
-  TORCH_CHECK(K % 32 == 0 && V % 16 == 0 && K > 0 && V > 0,
-              "readout_bf16_amx_: K a multiple of 32 and V of 16 expected, got K = ", K,
-              ", V = ", V);
+  TORCH_CHECK(V % 16 == 0 && K > 0 && V > 0,
+              "readout_bf16_amx_: V a multiple of 16 expected, got V = ", V);
+  const int64_t G = K * V / 16, steps = (n + 31) / 32;
   TORCH_CHECK(S.device().is_cpu() && S.scalar_type() == torch::kBFloat16 && S.dim() == 5 &&
-                  S.is_contiguous() && S.size(0) == A && S.size(1) >= n && S.size(2) == K / 2 &&
-                  S.size(3) == V && S.size(4) == 2,
-              "readout_bf16_amx_: S must be a contiguous bfloat16 (A, N >= n, K/2, V, 2) = (", A,
-              ", >= ", n, ", ", K / 2, ", ", V, ", 2), got ", S.sizes());
+                  S.is_contiguous() && S.size(0) == A && S.size(1) == G &&
+                  S.size(2) % 16 == 0 && S.size(2) >= steps * 16 && S.size(3) == 16 &&
+                  S.size(4) == 2,
+              "readout_bf16_amx_: S must be a contiguous bfloat16 (A, K·V/16, P, 16, 2) with P a "
+              "multiple of 16 holding n = ", n, " checkpoints = (", A, ", ", G, ", >= ",
+              steps * 16, ", 16, 2), got ", S.sizes());
   if (A == 0 || T == 0 || n == 0) return o;
   readout_rows(o.data_ptr<float>(), o.stride(0), o.stride(1), w.data_ptr<float>(), w.stride(0),
                w.stride(1), q.data_ptr<float>(), q.stride(0), q.stride(1),
-               reinterpret_cast<const uint16_t*>(S.data_ptr()), A, T, n, S.size(1), K, V);
+               reinterpret_cast<const uint16_t*>(S.data_ptr()), A, T, n, G, S.size(2), V);
   return o;
+}
+
+namespace {
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
+
+// bfloat16 bits of 16 floats, round to nearest even, a NaN as 0x7FC0 (as torch converts)
+inline v16u bf16_bits(v16u u) {
+  const v16u nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  const v16u r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return nan ? v16u{} + 0x7FC0u : r;
+}
+}  // namespace
+
+torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
+  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kFloat32 && src.dim() == 5,
+              "ckpt_pairs_bf16_: src must be a 5-D (B, n, H, K, V) float32 CPU tensor");
+  const int64_t B = src.size(0), n = src.size(1), H = src.size(2), K = src.size(3),
+                V = src.size(4);
+  TORCH_CHECK(src.stride(4) == 1 && src.stride(3) == V && (K * V) % 16 == 0,
+              "ckpt_pairs_bf16_: each (K, V) of src must be contiguous, K·V a multiple of 16");
+  const int64_t G = K * V / 16;
+  TORCH_CHECK(dst.device().is_cpu() && dst.scalar_type() == torch::kBFloat16 && dst.dim() == 6 &&
+                  dst.is_contiguous() && dst.size(0) == B && dst.size(1) == H &&
+                  dst.size(2) == G && dst.size(4) == 16 && dst.size(5) == 2,
+              "ckpt_pairs_bf16_: dst must be a contiguous bfloat16 (B, H, K·V/16, P, 16, 2) = (",
+              B, ", ", H, ", ", G, ", P, 16, 2), got ", dst.sizes());
+  const int64_t P = dst.size(3);
+  TORCH_CHECK(offset >= 0 && offset + n <= 2 * P, "ckpt_pairs_bf16_: offset ", offset, " + ", n,
+              " checkpoints past 2P = ", 2 * P);
+  if (n == 0 || B == 0 || H == 0) return dst;
+  const float* sp = src.data_ptr<float>();
+  uint32_t* dp = reinterpret_cast<uint32_t*>(dst.data_ptr());  // a checkpoint pair per 32 bits
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+  const int64_t p0 = offset / 2, np = (offset + n - 1) / 2 - p0 + 1;  // the pairs touched
+  at::parallel_for(0, B * H * np, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, K * V)),
+                   [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (H * np), h = u / np % H, p = p0 + u % np;
+      const int64_t i0 = 2 * p - offset, i1 = i0 + 1;  // src rows of the pair's two halves
+      const bool in0 = i0 >= 0 && i0 < n, in1 = i1 >= 0 && i1 < n;
+      const uint32_t* a = in0 ? reinterpret_cast<const uint32_t*>(sp + b * s0 + i0 * s1 + h * s2)
+                              : nullptr;
+      const uint32_t* c = in1 ? reinterpret_cast<const uint32_t*>(sp + b * s0 + i1 * s1 + h * s2)
+                              : nullptr;
+      uint32_t* d = dp + (b * H + h) * G * P * 16 + p * 16;
+      for (int64_t g = 0; g < G; ++g, d += P * 16) {
+        v16u x{}, y{};
+        if (a) std::memcpy(&x, a + 16 * g, sizeof x);
+        if (c) std::memcpy(&y, c + 16 * g, sizeof y);
+        const v16u lo = bf16_bits(x), hi = bf16_bits(y) << 16;
+        v16u out;
+        if (a && c) {
+          out = lo | hi;
+        } else {  // one half from another part: keep what is there
+          std::memcpy(&out, d, sizeof out);
+          out = a ? (out & 0xFFFF0000u) | lo : (out & 0x0000FFFFu) | hi;
+        }
+        std::memcpy(d, &out, sizeof out);
+      }
+    }
+  });
+  return dst;
 }
 
 }  // namespace mcserve_lowp

@@ -5,6 +5,7 @@
 #include "common.h"
 #include "lowp.h"
 #include "ops.h"
+#include "vmath.h"
 
 #include <ATen/Parallel.h>
 
@@ -18,15 +19,23 @@ namespace {
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
+// x[0:n] = silu(x[0:n]) in place, 16 at a time (vmath.h), the rest one by one
+inline void silu_row(float* x, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) store16(x + c, vsilu(load16(x + c)));
+  for (; c < n; ++c) x[c] = silu(x[c]);
+}
+
 }  // namespace
 
-// Depthwise causal conv of a span (a prefill's), without activation: out[b, t] = bias +
-// Σ_j w[:, j]·[tail; x][b, t + j], tail (B, W-1, C) and x (B, T, C) with contiguous channels,
+// Depthwise causal conv of a span (a prefill's): out[b, t] = bias + Σ_j w[:, j]·[tail; x][b,
+// t + j], then SiLU when `silu`; tail (B, W-1, C) and x (B, T, C) with contiguous channels,
 // weight (C, W) any strides → (B, T, C); the tail is not modified. One pass over the span
 // (torch's form passes over it once per tap), by (row, tile of tokens) over torch's threads;
 // each output a chain of multiply-adds from the last tap down.
 torch::Tensor conv_span(const torch::Tensor& tail, const torch::Tensor& x,
-                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                        bool silu) {
   check_f32(tail, "conv tail");
   check_f32(x, "x");
   check_f32(weight, "conv weight");
@@ -67,6 +76,7 @@ torch::Tensor conv_span(const torch::Tensor& tail, const torch::Tensor& x,
 #pragma omp simd
           for (int64_t c = 0; c < C; ++c) o[c] = std::fma(wj[c], row[c], o[c]);
         }
+        if (silu) silu_row(o, C);
       }
     }
   });
@@ -164,15 +174,19 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
   // rows split over torch's threads (a long prefill's norms); each row's sums as before
   at::parallel_for(0, R, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, D)),
                    [&](int64_t r0, int64_t r1) {
-    std::vector<float> h(group);
+    std::vector<float> h(group), gate(zp ? group : 0);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g0 = 0; g0 < D; g0 += group) {
         const float* xr = xp + r * xs + g0;
         const float* zr = zp ? zp + r * zs + g0 : nullptr;
         float ss = 0.f;
+        if (zr) {  // silu(z), 16 at a time
+          std::copy(zr, zr + group, gate.data());
+          silu_row(gate.data(), group);
+        }
         for (int64_t c = 0; c < group; ++c) {
           float v = xr[c];
-          if (zr && !norm_before_gate) v *= silu(zr[c]);
+          if (zr && !norm_before_gate) v *= gate[c];
           h[c] = v;
           ss += v * v;
         }
@@ -181,13 +195,65 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
         for (int64_t c = 0; c < group; ++c) {
           float v = h[c] * inv;
           if (wp) v *= wp[w_full ? g0 + c : c];
-          if (zr && norm_before_gate) v *= silu(zr[c]);
+          if (zr && norm_before_gate) v *= gate[c];
           yr[c] = v;
         }
       }
     }
   });
   return y;
+}
+
+// silu(gate) · up → (R, H) contiguous, gate and up (R, H) with contiguous columns (the two
+// halves of a SwiGLU's stacked projection, say): one pass where torch takes three (the SiLU, the
+// product, and the copy the next GEMM needs of a strided view).
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+  check_f32(gate, "gate");
+  check_f32(up, "up");
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 &&
+                  up.stride(1) == 1,
+              "silu_mul: gate and up (R, H) alike with unit column stride expected");
+  const int64_t R = gate.size(0), H = gate.size(1);
+  auto out = torch::empty({R, H}, gate.options());
+  const float *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = gate.stride(0), us = up.stride(0);
+  at::parallel_for(0, R, std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, H)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = gp + r * gs, *u = up_ + r * us;
+      float* o = op + r * H;
+      int64_t c = 0;
+      for (; c + 16 <= H; c += 16) store16(o + c, vsilu(load16(g + c)) * load16(u + c));
+      for (; c < H; ++c) o[c] = silu(g[c]) * u[c];
+    }
+  });
+  return out;
+}
+
+// Each group of `group` columns of x (R, D) divided by its L2 norm (at least 1e-12, as
+// F.normalize), in place; x may be a strided view of rows (q and k inside a qkv buffer).
+torch::Tensor l2norm_(torch::Tensor x, int64_t group) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "l2norm_: x (R, D) with unit column stride");
+  const int64_t R = x.size(0), D = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(group > 0 && D % group == 0, "l2norm_: group must divide ", D, ", got ", group);
+  float* xp = x.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, D)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g0 = 0; g0 < D; g0 += group) {
+        float* v = xp + r * xs + g0;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < group; ++c) ss += v[c] * v[c];
+        const float inv = 1.f / std::max(std::sqrt(ss), 1e-12f);
+#pragma omp simd
+        for (int64_t c = 0; c < group; ++c) v[c] *= inv;
+      }
+    }
+  });
+  return x;
 }
 
 namespace {

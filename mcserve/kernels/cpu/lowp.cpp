@@ -803,8 +803,11 @@ void bind(pybind11::module& m) {
         pybind11::arg("X"), pybind11::arg("w"), pybind11::arg("q"),
         pybind11::arg("impl") = -1);
   m.def("readout_bf16_amx_", &readout_bf16_amx_,
-        "o (A, T, V) += sum_j (bf16(w[:, :, j] (x) q) @ S[:, j]) on AMX tiles, float32 sums",
+        "o (A, T, V) += sum_j q . bf16(w[:, :, j]) bf16(S_j) on AMX tiles, float32 sums",
         pybind11::arg("o"), pybind11::arg("w"), pybind11::arg("q"), pybind11::arg("S"));
+  m.def("ckpt_pairs_bf16_", &ckpt_pairs_bf16_,
+        "checkpoints src (B, n, H, K, V) into dst (B, H, K*V/16, P, 16, 2) bfloat16 at offset",
+        pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("offset"));
   m.def("lowp_set_cap", [](int64_t level) { g_cap.store(static_cast<int>(level)); },
         "highest implementation level the low-precision kernels may pick (0..4)");
   m.def("lowp_info", []() {

@@ -73,12 +73,21 @@ void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb,
 int bf16_level();
 
 // amx.cpp: the bfloat16 cached readout of an MC prefill tile on AMX tiles. For each of A heads
-// and T tokens: o[h, t, :] += sum over checkpoints j < n and keys k of bf16(w[h, t, j] · q[h, t,
-// k]) · S[h, j, k, :], float32 sums, in place. o (A, T, V), w (A, T, n) and q (A, T, K) float32
-// with unit stride in their last dim; S (A, N >= n, K/2, V, 2) bfloat16 in key pairs,
-// contiguous; K a multiple of 32, V of 16. A clear error where bf16_level() < 4.
+// and T tokens: o[h, t, :] += sum over checkpoints j < n and keys k of q[h, t, k] ·
+// bf16(w[h, t, j]) · bf16(S_j)[k, :], float32 sums, in place. o (A, T, V), w (A, T, n) and q (A,
+// T, K) float32 with unit stride in their last dim; S (A, K·V/16, P, 16, 2) bfloat16 contiguous:
+// checkpoint j's flattened (k, v) in groups of 16, checkpoints in pairs (ckpt_pairs_bf16_), P a
+// multiple of 16 with at least n rounded up to 32 checkpoints (finite past n); V a multiple of
+// 16. A clear error where bf16_level() < 4.
 torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const torch::Tensor& q,
                                 const torch::Tensor& S);
+
+// amx.cpp: checkpoints into readout_bf16_amx_'s layout. src (B, n, H, K, V) float32 with each
+// (K, V) contiguous → dst[b, h, g, p, c, e] = bf16(src[b, j - offset, h].flat[16g + c]) for j =
+// 2p + e in offset .. offset + n (round to nearest even, NaN kept; the other checkpoint of a
+// pair at either end left as it is), dst (B, H, K·V/16, P, 16, 2) bfloat16 contiguous. One pass;
+// no AMX needed.
+torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset);
 
 void bind(pybind11::module& m);
 

@@ -134,11 +134,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_later", &topk_later, "indices of each row's k largest, ties to the later");
   m.def("select_softmax", &select_softmax,
         "each row's k best visible scores (ties to the later) and their softmax with r_on");
+  m.def("dense_softmax_", &dense_softmax_,
+        "each row's softmax over its visible scores and r_on, in place; returns r_on's weights");
   m.def("readout_picks", &readout_picks,
         "each token's picked checkpoints read out over a prefill span, grouped by checkpoint");
-  m.def("conv_span", &conv_span, "depthwise causal conv of a span after its tail");
+  m.def("conv_span", &conv_span, "depthwise causal conv of a span after its tail (then SiLU)");
   m.def("conv_step_", &conv_step_, "one token of a depthwise causal conv, tail in place");
   m.def("rms_norm", &rms_norm, "grouped RMSNorm, optionally gated by silu(z)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up in one pass, contiguous");
+  m.def("l2norm_", &l2norm_, "each group of columns divided by its L2 norm, in place");
   m.def("mc_scores_", &mc_scores_, "MC routing scores of one token; seg_ksum += k in place");
   m.def("mc_step_readout_", &mc_step_readout_, "online step + weighted readout of pool blocks");
   m.def("native_block_decode_", &native_block_decode_, "one token through a native MC block");

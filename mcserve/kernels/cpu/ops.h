@@ -46,6 +46,8 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
 torch::Tensor topk_later(const torch::Tensor& r, int64_t k);
 std::vector<torch::Tensor> select_softmax(const torch::Tensor& r, const torch::Tensor& visible,
                                           const torch::Tensor& r_on, int64_t k);
+torch::Tensor dense_softmax_(torch::Tensor r, const torch::Tensor& visible,
+                             const torch::Tensor& r_on);
 torch::Tensor readout_picks(const torch::Tensor& S, const torch::Tensor& q,
                             const torch::Tensor& idx, const torch::Tensor& w);
 torch::Tensor mc_scores_(torch::Tensor seg_ksum, const torch::Tensor& k, const torch::Tensor& u,
@@ -59,12 +61,15 @@ torch::Tensor mc_step_readout_(torch::Tensor S, const torch::Tensor& q, const to
 
 // blocks.cpp: whole blocks of a decode step, and the conv and norm they share
 torch::Tensor conv_span(const torch::Tensor& tail, const torch::Tensor& x,
-                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                        bool silu);
 torch::Tensor conv_step_(torch::Tensor tail, const torch::Tensor& x, const torch::Tensor& weight,
                          const c10::optional<torch::Tensor>& bias, bool apply_silu);
 torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight,
                        double eps, int64_t group, const c10::optional<torch::Tensor>& z,
                        bool norm_before_gate);
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
+torch::Tensor l2norm_(torch::Tensor x, int64_t group);
 torch::Tensor native_block_decode_(
     const torch::Tensor& x, double eps, const torch::Tensor& norm1_w, const torch::Tensor& W_in,
     const c10::optional<torch::Tensor>& s_in, const c10::optional<torch::Tensor>& b_in,

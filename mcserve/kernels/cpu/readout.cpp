@@ -1,9 +1,11 @@
 // Reads of the paged pools at decode: the weighted readout of cached state blocks
 // (readout_paged), paged attention for one query per row (paged_attention_decode), MC routing
 // (mc_scores_, topk_later) and the MC step + readout of one token (mc_step_readout_); and the
-// prefill's readout of each token's picked checkpoints (readout_picks).
+// prefill's routing (select_softmax, dense_softmax_) and readout of each token's picked
+// checkpoints (readout_picks).
 #include "common.h"
 #include "ops.h"
+#include "vmath.h"
 
 #include <ATen/Parallel.h>
 
@@ -68,7 +70,6 @@ namespace {
 // four_rows_tail does the last V % 64 columns element by element. Both multiply-add (fused, as
 // -ffp-contract=fast makes the vector form), so a row's sums do not depend on the rows beside it.
 constexpr int64_t kCols = 64;
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
 
 inline void four_rows(const float* X, int64_t K, const float* S, int64_t V, int64_t j0,
                       float* const* dst) {
@@ -505,6 +506,80 @@ std::vector<torch::Tensor> select_softmax(const torch::Tensor& r, const torch::T
     }
   });
   return {idx, w, w_on};
+}
+
+namespace {
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+}  // namespace
+
+// The softmax of each row's first visible[row] scores together with the online score
+// r_on[row], in place: r (R, N) becomes the weights (zero past the visible ones, whatever they
+// held), and the online score's weight is returned (R,). One pass per row for the max, one for
+// the exponentials and their sum, one to scale (the dense MC prefill's routing of a tile).
+torch::Tensor dense_softmax_(torch::Tensor r, const torch::Tensor& visible,
+                             const torch::Tensor& r_on) {
+  check_f32(r, "r");
+  check_f32(r_on, "r_on");
+  TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1,
+              "dense_softmax_: r (R, N) with unit column stride expected");
+  const int64_t R = r.size(0), N = r.size(1), rs = r.stride(0);
+  TORCH_CHECK(visible.scalar_type() == torch::kInt64 && visible.numel() == R &&
+                  visible.device().is_cpu() && r_on.numel() == R,
+              "dense_softmax_: visible (R,) int64 and r_on (R,) expected");
+  auto vis = visible.contiguous();
+  auto ron = r_on.contiguous();
+  auto w_on = torch::empty({R}, r.options());
+  float* rp = r.data_ptr<float>();
+  const float* onp = ron.data_ptr<float>();
+  const int64_t* vp = vis.data_ptr<int64_t>();
+  float* wonp = w_on.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, N)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      float* x = rp + row * rs;
+      const int64_t n = std::min(N, std::max<int64_t>(0, vp[row]));
+      const int64_t nv = n / 16 * 16;
+      const float on = onp[row];
+      float top = on;
+      if (nv) {
+        v16f mx = *reinterpret_cast<const v16f*>(x);
+        for (int64_t j = 16; j < nv; j += 16) {
+          const v16f v = *reinterpret_cast<const v16f*>(x + j);
+          mx = mx > v ? mx : v;
+        }
+        for (int i = 0; i < 16; ++i) top = std::max(top, mx[i]);
+      }
+      for (int64_t j = nv; j < n; ++j) top = std::max(top, x[j]);
+      v16f acc{};
+      for (int64_t j = 0; j < nv; j += 16) {
+        v16f* px = reinterpret_cast<v16f*>(x + j);
+        const v16f e = vexp(*px - top);
+        *px = e;
+        acc += e;
+      }
+      float sum = hsum(acc);
+      if (nv < n) {  // the last partial group of 16, padded with -inf (weight zero)
+        v16f t = v16f{} - std::numeric_limits<float>::infinity();
+        for (int64_t j = nv; j < n; ++j) t[j - nv] = x[j] - top;
+        const v16f e = vexp(t);
+        for (int64_t j = nv; j < n; ++j) {
+          x[j] = e[j - nv];
+          sum += e[j - nv];
+        }
+      }
+      const float e_on = std::exp(on - top);
+      const float inv = 1.f / (sum + e_on);
+      for (int64_t j = 0; j < nv; j += 16) *reinterpret_cast<v16f*>(x + j) *= inv;
+      for (int64_t j = nv; j < n; ++j) x[j] *= inv;
+      std::fill(x + n, x + N, 0.f);
+      wonp[row] = e_on * inv;
+    }
+  });
+  return w_on;
 }
 
 }  // namespace mcserve_ops

@@ -88,22 +88,35 @@ def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
     return torch.mul(w[..., None], q[:, :, None, :], out=X)
 
 
-def pair_keys(S: Tensor) -> Tensor:
-    """Checkpoints ``(A, N, K, V)`` in key pairs ``(A, N, K/2, V, 2)`` bfloat16 (K even): the
-    layout ``readout_bf16_`` reads."""
+def ckpt_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
+    """dst ``(B, H, K·V/16, P, 16, 2)`` bfloat16: checkpoints offset .. offset + n of it =
+    src ``(B, n, H, K, V)``, each checkpoint's flattened (k, v) in groups of 16, checkpoints in
+    pairs (j = 2p + e at [:, :, :, p, :, e]), in place."""
+    B, n, H, K, V = src.shape
+    j = torch.arange(offset, offset + n, device=src.device)
+    groups = src.to(torch.bfloat16).reshape(B, n, H, K * V // 16, 16)
+    dst[:, :, :, j // 2, :, j % 2] = groups.permute(1, 0, 2, 3, 4)
+    return dst
+
+
+def ckpt_pairs(S: Tensor) -> Tensor:
+    """Checkpoints ``(A, N, K, V)`` in ``readout_bf16_``'s layout ``(A, K·V/16, P, 16, 2)``
+    bfloat16, P the pairs rounded up to a multiple of 16, zero past N."""
     A, N, K, V = S.shape
-    return S.reshape(A, N, K // 2, 2, V).transpose(-1, -2).to(torch.bfloat16).contiguous()
+    P = ((N + 1) // 2 + 15) // 16 * 16
+    dst = torch.zeros(A, 1, K * V // 16, P, 16, 2, dtype=torch.bfloat16, device=S.device)
+    return ckpt_pairs_bf16_(dst, S[:, :, None], 0)[:, 0]
 
 
 def readout_bf16_(o: Tensor, w: Tensor, q: Tensor, S: Tensor) -> Tensor:
-    """o ``(A, T, V)`` += Σ_j bf16(w[:, :, j] ⊗ q) @ S[:, j] in place, float32 sums: the
-    bfloat16 cached readout of a prefill tile. w ``(A, T, n)``, q ``(A, T, K)`` float32, S the
-    first n (or more) checkpoints ``(A, N, K/2, V, 2)`` in ``pair_keys``' layout."""
+    """o ``(A, T, V)`` += Σ_j Σ_k q[:, :, k] · bf16(w[:, :, j]) · bf16(S_j)[k] in place, float32
+    sums: the bfloat16 cached readout of a prefill tile. w ``(A, T, n)``, q ``(A, T, K)``
+    float32, S the first n (or more) checkpoints in ``ckpt_pairs``' layout."""
     A, T, n = w.shape
-    K, V = q.shape[-1], S.shape[3]
-    X = outer_bf16_(torch.empty(A, T, n, K, dtype=torch.bfloat16, device=q.device), w, q)
-    plain = S[:, :n].transpose(-1, -2).reshape(A, n * K, V)
-    return o.add_(torch.bmm(X.view(A, T, n * K).float(), plain.float()))
+    K, V = q.shape[-1], o.shape[-1]
+    plain = S.permute(0, 2, 4, 1, 3).reshape(A, -1, K * V)[:, :n].float()  # (A, n, K·V)
+    M = torch.bmm(w.to(torch.bfloat16).float(), plain).view(A, T, K, V)
+    return o.add_((q[..., None] * M).sum(2))
 
 
 def linear_step_(S: Tensor, q: Tensor, k: Tensor, v: Tensor, log_a: Tensor | None,
@@ -257,8 +270,20 @@ def select_softmax(r: Tensor, visible: Tensor, r_on: Tensor, k: int
     return idx, gamma[:, :-1], gamma[:, -1]
 
 
-def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Depthwise causal conv of a span without activation: tail ``(B, W-1, C)``, x ``(B, T,
+def dense_softmax_(r: Tensor, visible: Tensor, r_on: Tensor) -> Tensor:
+    """r ``(R, N)`` in place: the softmax over [its first visible[row] scores, r_on[row]] per
+    row, zero past the visible ones; returns r_on's weights ``(R,)``."""
+    N = r.shape[-1]
+    hidden = torch.arange(N, device=r.device)[None, :] >= visible[:, None]
+    gamma = torch.softmax(torch.cat([r.masked_fill(hidden, float("-inf")), r_on[:, None]], -1),
+                          -1)
+    r.copy_(gamma[:, :-1])
+    return gamma[:, -1]
+
+
+def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+              silu: bool = False) -> Tensor:
+    """Depthwise causal conv of a span, then SiLU when ``silu``: tail ``(B, W-1, C)``, x ``(B, T,
     C)``, weight ``(C, W)`` → out[t] = bias + Σ_j w[:, j]·[tail; x][t + j] ``(B, T, C)``, as W
     shifted multiply-adds (tap j reads x shifted by s = W - 1 - j, and the tail for t < s)."""
     T, W = x.shape[1], weight.shape[1]
@@ -274,7 +299,19 @@ def conv_span(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> T
             out[:, s:].addcmul_(x[:, :T - s], wt[j])
         m = min(s, T)
         out[:, :m].addcmul_(tail[:, j:j + m], wt[j])
-    return out
+    return F.silu(out, inplace=True) if silu else out
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) · up, a new contiguous tensor."""
+    return F.silu(gate) * up
+
+
+def l2norm_(x: Tensor, group: int) -> Tensor:
+    """x ``(R, D)`` in place: each group of ``group`` columns over its L2 norm (F.normalize)."""
+    R, D = x.shape
+    x.copy_(F.normalize(x.reshape(R, D // group, group), dim=-1).view(R, D))
+    return x
 
 
 def conv_step_(tail: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,

@@ -1,0 +1,51 @@
+// Vector math of the CPU kernels: e^x and SiLU over 16 floats in GCC vector types, so a pass
+// over a row takes the vector registers of whatever -march the build targets (no intrinsics, no
+// CPU feature assumed) instead of calling the scalar expf per element.
+#pragma once
+
+#include <cstdint>
+
+namespace mcserve_ops {
+
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline v16f splat16(float x) { return v16f{} + x; }
+
+// e^x: Cephes' single-precision polynomial on r = x - n·ln 2 (n the integer nearest x·log2 e),
+// times 2^n through the exponent bits. 0 below -87.33 (and for -inf), inf above 88 (a little
+// before float's own overflow at 88.72, so 2^n stays a normal float), NaN stays NaN.
+inline v16f vexp(v16f x) {
+  const v16i under = x < -87.3365f, over = x > 88.f, nan = x != x;
+  x = under ? splat16(-87.3365f) : x;
+  x = over ? splat16(88.f) : x;
+  const v16f t = x * 1.44269504088896341f + 0.5f;
+  v16i n = __builtin_convertvector(t, v16i);  // truncated toward zero
+  n += __builtin_convertvector(n, v16f) > t;  // floor: one less where t was negative
+  const v16f nf = __builtin_convertvector(n, v16f);
+  v16f r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  v16f y = p * (v16f)((n + 127) << 23);
+  y = (v16f)((v16i)y & ~under);
+  y = over ? splat16(__builtin_inff()) : y;
+  return nan ? x : y;
+}
+
+// x·sigmoid(x) = x / (1 + e^-x)
+inline v16f vsilu(v16f x) { return x / (1.f + vexp(-x)); }
+
+}  // namespace mcserve_ops
