@@ -19,6 +19,7 @@
 // (arch_prctl ARCH_REQ_XCOMP_PERM): a VM or kernel that does not is found here, before any tile
 // instruction runs. lowp.cpp's self-test then checks the level against the scalar kernel.
 #include "lowp.h"
+#include "vmath.h"
 
 #include <ATen/Parallel.h>
 
@@ -360,16 +361,8 @@ torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const t
   return o;
 }
 
-namespace {
-typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-
-// bfloat16 bits of 16 floats, round to nearest even, a NaN as 0x7FC0 (as torch converts)
-inline v16u bf16_bits(v16u u) {
-  const v16u nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  const v16u r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return nan ? v16u{} + 0x7FC0u : r;
-}
-}  // namespace
+using mcserve_ops::bf16_bits;
+using mcserve_ops::v16u;
 
 torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
   TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kFloat32 && src.dim() == 5,

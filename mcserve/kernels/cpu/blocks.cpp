@@ -179,6 +179,27 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
       for (int64_t g0 = 0; g0 < D; g0 += group) {
         const float* xr = xp + r * xs + g0;
         const float* zr = zp ? zp + r * zs + g0 : nullptr;
+        float* yr = yp + r * D + g0;
+        if (group % 16 == 0) {  // 16 channels at a time, the sum of squares in 16 lanes
+          v16f acc{};
+          for (int64_t c = 0; c < group; c += 16) {
+            v16f v = load16(xr + c);
+            if (zr && !norm_before_gate) v *= vsilu(load16(zr + c));
+            store16(h.data() + c, v);
+            acc += v * v;
+          }
+          float ss = 0.f;
+          for (int i = 0; i < 16; ++i) ss += acc[i];
+          const float inv =
+              1.f / std::sqrt(ss / static_cast<float>(group) + static_cast<float>(eps));
+          for (int64_t c = 0; c < group; c += 16) {
+            v16f v = load16(h.data() + c) * inv;
+            if (wp) v *= load16(wp + (w_full ? g0 + c : c));
+            if (zr && norm_before_gate) v *= vsilu(load16(zr + c));
+            store16(yr + c, v);
+          }
+          continue;
+        }
         float ss = 0.f;
         if (zr) {  // silu(z), 16 at a time
           std::copy(zr, zr + group, gate.data());
@@ -191,7 +212,6 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
           ss += v * v;
         }
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(group) + static_cast<float>(eps));
-        float* yr = yp + r * D + g0;
         for (int64_t c = 0; c < group; ++c) {
           float v = h[c] * inv;
           if (wp) v *= wp[w_full ? g0 + c : c];

@@ -30,6 +30,7 @@
 // set_cap (MCSERVE_CPU_ISA); each implementation is checked against the scalar one on a small
 // random problem at first use, and one that disagrees is never used.
 #include "lowp.h"
+#include "vmath.h"
 
 #include <torch/extension.h>  // bind(): torch's pybind11 casters
 
@@ -538,8 +539,7 @@ void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, 
     at::parallel_for(0, B, std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, 4 * K)),
                      [&](int64_t b0, int64_t b1) {
                        for (int64_t b = b0; b < b1; ++b) {
-                         for (int64_t k = 0; k < K; ++k)
-                           xb[b * Kx + k] = c10::BFloat16(x[b * K + k]).x;
+                         mcserve_ops::to_bf16(x + b * K, xb + b * Kx, K);
                          std::memset(xb + b * Kx + K, 0, sizeof(uint16_t) * (Kx - K));
                        }
                      });

@@ -9,6 +9,7 @@ namespace mcserve_ops {
 
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 
 inline v16f load16(const float* p) {
   v16f v;
@@ -43,6 +44,30 @@ inline v16f vexp(v16f x) {
   y = (v16f)((v16i)y & ~under);
   y = over ? splat16(__builtin_inff()) : y;
   return nan ? x : y;
+}
+
+// bfloat16 bits (in the low half of each lane) of 16 floats given as their bits: round to
+// nearest even, a NaN as 0x7FC0 (as c10::BFloat16 converts)
+inline v16u bf16_bits(v16u u) {
+  const v16u nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  const v16u r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return nan ? v16u{} + 0x7FC0u : r;
+}
+
+// dst[0:n] = bfloat16(src[0:n]), 16 at a time
+inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16u u;
+    __builtin_memcpy(&u, src + i, sizeof u);
+    const v16u b = bf16_bits(u);
+    for (int j = 0; j < 16; ++j) dst[i + j] = static_cast<uint16_t>(b[j]);
+  }
+  for (; i < n; ++i) {
+    v16u u{};
+    __builtin_memcpy(&u, src + i, sizeof(float));
+    dst[i] = static_cast<uint16_t>(bf16_bits(u)[0]);
+  }
 }
 
 // x·sigmoid(x) = x / (1 + e^-x)
