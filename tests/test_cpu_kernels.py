@@ -617,6 +617,39 @@ def test_readout_picks_matches_twin(B, L, N, H, K, V, k):
         cpu.readout_picks(S, q, bad, w)
 
 
+
+@pytest.mark.parametrize("B,L,N,H,K,V,k", [(1, 1, 1, 1, 32, 16, 1), (2, 37, 9, 3, 64, 80, 3),
+                                            (1, 1100, 40, 4, 64, 64, 8)],
+                         ids=["one", "odd", "two-tiles"])
+def test_readout_picks_bf16_matches_twin(B, L, N, H, K, V, k):
+    # an ssc prefill's picks on AMX tiles against the twin (the same bfloat16 operands, float32
+    # sums): q and idx as strided views, zero weights skipped, V past one 64-column pass, more
+    # than 16 picks of a checkpoint and a token tile past 1024; the checkpoints from two parts
+    # into the key pairs (as the cached and the span's new ones are)
+    info = cpu.lowp_info()
+    if not cpu.readout_bf16_fused(K, V):
+        pytest.skip(f"needs a CPU with AMX-BF16 (here: {info.get('amx_note') or 'capped'})")
+    g = torch.Generator().manual_seed(B * 1000 + L + N)
+    S32 = torch.randn(B, N, H, K, V, generator=g)
+    S = torch.empty(B, H, N, K // 2, V, 2, dtype=torch.bfloat16)
+    cpu.key_pairs_bf16_(S, S32[:, :N // 2], 0)
+    cpu.key_pairs_bf16_(S, S32[:, N // 2:], N // 2)
+    want_S = twins.key_pairs_bf16_(torch.empty_like(S), S32, 0)
+    assert torch.equal(S.view(torch.int16), want_S.view(torch.int16))
+    q = torch.randn(B, H, L, K, generator=g).transpose(1, 2)
+    idx = torch.rand(B, L, H, N, generator=g).argsort(-1)[..., :k]
+    w = torch.rand(B, L, H, k, generator=g)
+    w[w < 0.2] = 0.0
+    y = cpu.readout_picks_bf16(S, q, idx, w)
+    assert y.shape == (B, L, H, V)
+    torch.testing.assert_close(y, twins.readout_picks_bf16(S, q, idx, w), rtol=1e-4, atol=1e-4)
+    exact = twins.readout_picks(S32, q, idx, w)  # float32 throughout: within bfloat16's step
+    assert (y - exact).abs().max() <= 2e-2 * exact.abs().max() + 1e-6
+    bad = idx.clone()
+    bad[0, 0, 0, 0] = N
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu.ops().readout_picks_bf16_amx(S, q, bad, w)
+
 @pytest.mark.parametrize("R,N,k", [(1, 1, 1), (37, 11, 3), (64, 256, 8), (9, 20, 8)],
                          ids=["one", "odd", "prefill", "few-visible"])
 def test_select_softmax_matches_twin(R, N, k):

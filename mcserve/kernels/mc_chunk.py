@@ -328,7 +328,8 @@ def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
     (``ssc``; ties to the later one): the picks read in place once there are ``SPARSE_FACTOR``
     times more checkpoints than picks, else a dense readout with zero weights elsewhere. On
     the CPU the sparse form picks and weighs in one C++ pass per row
-    (``kernels.cpu.select_softmax``)."""
+    (``kernels.cpu.select_softmax``); with ``dtype`` bfloat16 on AMX tiles its readout takes
+    bfloat16 operands with float32 sums (``kernels.cpu.readout_picks_bf16``)."""
     sparse = sum(s.shape[1] for s in S) >= SPARSE_FACTOR * top_k and not (
         torch.is_grad_enabled() and q.requires_grad)
     if sparse and q.is_cpu:
@@ -343,9 +344,19 @@ def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
             r.view(-1, N), seen.expand(B, H, L).reshape(-1), r_on.transpose(1, 2).reshape(-1),
             top_k)
         y = o * w_on.view(B, H, L, 1).transpose(1, 2)
-        return y + _readout_picks(torch.cat(S, 1).contiguous(), q,
-                                  idx.view(B, H, L, top_k).transpose(1, 2),
-                                  w.view(B, H, L, top_k).transpose(1, 2))
+        idx = idx.view(B, H, L, top_k).transpose(1, 2)
+        w = w.view(B, H, L, top_k).transpose(1, 2)
+        V = o.shape[-1]
+        if (dtype == torch.bfloat16 and dtype != q.dtype and K % 32 == 0
+                and cpu_ops.readout_bf16_fused(K, V)):
+            # bfloat16 operands on AMX tiles: the checkpoints in key pairs, one pass per part
+            Sx = torch.empty((B, H, N, K // 2, V, 2), dtype=dtype, device=q.device)
+            n = 0
+            for part in S:
+                cpu_ops.key_pairs_bf16_(Sx, part, n)
+                n += part.shape[1]
+            return y + cpu_ops.readout_picks_bf16(Sx, q, idx, w)
+        return y + _readout_picks(torch.cat(S, 1).contiguous(), q, idx, w)
     r_c = _scores(u, ksum, n_carried, segment_len)
     idx = _select(r_c, top_k)  # (B, L, H, top_k)
     gamma = torch.softmax(torch.cat([r_c.gather(-1, idx), r_on[..., None]], -1), -1)

@@ -383,6 +383,33 @@ def readout_bf16_(o: Tensor, w: Tensor, q: Tensor, S: Tensor) -> Tensor:
     return m.readout_bf16_amx_(o, w, q, S)
 
 
+def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    """``readout_picks`` with bfloat16 operands and float32 sums (twin
+    ``twins.readout_picks_bf16``, same signature): y ``(B, L, H, V)`` = Σ_j bf16(w_j·q)ᵀ
+    S[idx_j], S ``(B, H, N, K/2, V, 2)`` bfloat16 in ``key_pairs_bf16_``' layout. On AMX tiles
+    (``readout_bf16_fused``, K a multiple of 32) 16 picks of a checkpoint per tile product; the
+    twin elsewhere."""
+    m = ops()
+    K, V = q.shape[-1], S.shape[-2]
+    if (m is None or K % 32 or not readout_bf16_fused(K, V) or not _f32_cpu(q, w)
+            or S.dtype != torch.bfloat16 or not S.is_contiguous()
+            or idx.dtype != torch.int64 or idx.device.type != "cpu"):
+        return twins.readout_picks_bf16(S, q, idx, w)
+    return m.readout_picks_bf16_amx(S, q, idx, w)
+
+
+def key_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
+    """Checkpoints src ``(B, n, H, K, V)`` float32 into ``readout_picks_bf16``'s key pairs in
+    place: dst ``(B, H, N, K/2, V, 2)`` bfloat16 at checkpoints offset .. offset + n, rounded
+    to nearest even; one pass (twin ``twins.key_pairs_bf16_``)."""
+    m = ops()
+    if (m is None or not _f32_cpu(src) or src.dim() != 5 or src.stride(-1) != 1
+            or src.stride(-2) != src.shape[-1] or dst.dtype != torch.bfloat16
+            or not dst.is_contiguous()):
+        return twins.key_pairs_bf16_(dst, src, offset)
+    return m.key_pairs_bf16_(dst, src, offset)
+
+
 def ckpt_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
     """Checkpoints src ``(B, n, H, K, V)`` float32 into ``readout_bf16_``'s layout in place:
     dst ``(B, H, K·V/16, P, 16, 2)`` bfloat16 at checkpoints offset .. offset + n, rounded to

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -64,6 +65,9 @@ __attribute__((target("amx-tile"))) void load_config(int rows) {
     c.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
     c.colsb[t] = 64;
   }
+  // _tile_loadconfig's asm names only the first bytes of c as its input: without this barrier
+  // the compiler may drop the stores to rows and colsb as dead
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
@@ -315,6 +319,128 @@ static void readout_rows(float* o, int64_t os0, int64_t os1, const float* w, int
   });
 }
 
+// readout_picks_bf16_amx_'s pass: per (row, head, 1024 tokens) the picks sorted by checkpoint
+// (a counting sort, as readout_picks), then per checkpoint 16 picks at a time: the left tile
+// bf16(w · q) of those tokens (32 keys per tile), the checkpoint's key pairs on the right, the
+// 16 × V float32 sums added into the tokens' outputs.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"), noinline)) void picks_tiles(
+    const uint16_t* a, int64_t K, const uint16_t* Sn, int64_t V, int64_t v0, int nvt,
+    float* c) {
+  const int64_t sb = V * 2 * static_cast<int64_t>(sizeof(uint16_t));  // bytes per key pair
+  _tile_zero(0);
+  if (nvt > 1) _tile_zero(1);
+  if (nvt > 2) _tile_zero(2);
+  if (nvt > 3) _tile_zero(3);
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    _tile_loadd(4, a + k0, K * 2);
+    const char* b = reinterpret_cast<const char*>(Sn + (k0 / 2) * V * 2 + v0 * 2);
+    _tile_loadd(5, b, sb);
+    _tile_dpbf16ps(0, 4, 5);
+    if (nvt > 1) {
+      _tile_loadd(6, b + 64, sb);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (nvt > 2) {
+      _tile_loadd(7, b + 128, sb);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (nvt > 3) {
+      _tile_loadd(5, b + 192, sb);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if (nvt > 1) _tile_stored(1, c + 256, 64);
+  if (nvt > 2) _tile_stored(2, c + 512, 64);
+  if (nvt > 3) _tile_stored(3, c + 768, 64);
+}
+
+// row r of a (K wide) = bf16(wt · q[0:K])
+__attribute__((target("avx512f,avx512bf16"))) void weighted_row(const float* q, int64_t qs,
+                                                                float wt, int64_t K,
+                                                                uint16_t* a) {
+  const __m512 wv = _mm512_set1_ps(wt);
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    __m512 lo, hi;
+    if (qs == 1) {
+      lo = _mm512_loadu_ps(q + k0);
+      hi = _mm512_loadu_ps(q + k0 + 16);
+    } else {
+      alignas(64) float t[32];
+      for (int i = 0; i < 32; ++i) t[i] = q[(k0 + i) * qs];
+      lo = _mm512_load_ps(t);
+      hi = _mm512_load_ps(t + 16);
+    }
+    _mm512_storeu_si512(a + k0, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, wv),
+                                                             _mm512_mul_ps(lo, wv)));
+  }
+}
+
+static bool picks_rows(const uint16_t* S, const float* qp, const int64_t* qs, const int64_t* ip,
+                       const int64_t* is, const float* wp, const int64_t* ws, float* yp,
+                       int64_t B, int64_t N, int64_t H, int64_t K, int64_t V, int64_t L,
+                       int64_t k) {
+  constexpr int64_t kTile = 1024;
+  const int64_t tiles = (L + kTile - 1) / kTile;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, B * H * tiles, 1, [&](int64_t i0, int64_t i1) {
+    load_config(16);
+    std::vector<int64_t> start(N + 1), fill(N), order(kTile * k);
+    std::vector<uint16_t> a(static_cast<size_t>(16 * K));
+    alignas(64) float c[4 * 256];
+    for (int64_t task = i0; task < i1; ++task) {
+      const int64_t b = task / (H * tiles), h = task / tiles % H;
+      const int64_t t0 = task % tiles * kTile, t1 = std::min(L, t0 + kTile);
+      auto pick = [&](int64_t t, int64_t j) { return ip[b * is[0] + t * is[1] + h * is[2] +
+                                                        j * is[3]]; };
+      auto weight = [&](int64_t t, int64_t j) { return wp[b * ws[0] + t * ws[1] + h * ws[2] +
+                                                          j * ws[3]]; };
+      std::fill(start.begin(), start.end(), 0);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t n = pick(t, j);
+          if (n < 0 || n >= N) { bad = true; continue; }
+          if (weight(t, j) != 0.f) ++start[n + 1];
+        }
+      for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
+      std::copy(start.begin(), start.end() - 1, fill.begin());
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t n = pick(t, j);
+          if (n >= 0 && n < N && weight(t, j) != 0.f) order[fill[n]++] = (t - t0) * k + j;
+        }
+      for (int64_t n = 0; n < N; ++n) {
+        const uint16_t* Sn = S + ((b * H + h) * N + n) * K * V;
+        for (int64_t g = start[n]; g < start[n + 1]; g += 16) {
+          const int rows = static_cast<int>(std::min<int64_t>(16, start[n + 1] - g));
+          for (int r = 0; r < 16; ++r) {
+            if (r >= rows) {
+              std::memset(a.data() + r * K, 0, sizeof(uint16_t) * K);
+              continue;
+            }
+            const int64_t t = t0 + order[g + r] / k, j = order[g + r] % k;
+            weighted_row(qp + b * qs[0] + t * qs[1] + h * qs[2], qs[3], weight(t, j), K,
+                         a.data() + r * K);
+          }
+          for (int64_t v0 = 0; v0 < V; v0 += 64) {
+            const int nvt = static_cast<int>(std::min<int64_t>(4, (V - v0) / 16));
+            picks_tiles(a.data(), K, Sn, V, v0, nvt, c);
+            for (int r = 0; r < rows; ++r) {
+              const int64_t t = t0 + order[g + r] / k;
+              float* yr = yp + ((b * L + t) * H + h) * V + v0;
+              for (int v = 0; v < nvt; ++v)
+                _mm512_storeu_ps(yr + 16 * v, _mm512_add_ps(_mm512_loadu_ps(yr + 16 * v),
+                                                             _mm512_load_ps(c + v * 256 + r * 16)));
+            }
+          }
+        }
+      }
+    }
+    release();
+  });
+  return !bad;
+}
+
 #else  // no AMX build: never usable, never called
 
 bool amx_bf16_usable(std::string* why) {
@@ -328,6 +454,12 @@ void amx_bf16_rows(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, 
 static void readout_rows(float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
                          int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t) {}
+
+static bool picks_rows(const uint16_t*, const float*, const int64_t*, const int64_t*,
+                       const int64_t*, const float*, const int64_t*, float*, int64_t, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, int64_t) {
+  return true;
+}
 
 #endif
 
@@ -363,6 +495,84 @@ torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const t
 
 using mcserve_ops::bf16_bits;
 using mcserve_ops::v16u;
+
+torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor& q,
+                                    const torch::Tensor& idx, const torch::Tensor& w) {
+  TORCH_CHECK(bf16_level() >= 4,
+              "readout_picks_bf16_amx needs AMX-BF16 (lowp_info()['bf16_impl'] == 4)");
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat32 && q.dim() == 4 &&
+                  w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 4,
+              "readout_picks_bf16_amx: q (B, L, H, K) and w (B, L, H, k) float32 expected");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 4 && idx.device().is_cpu(),
+              "readout_picks_bf16_amx: idx (B, L, H, k) int64 on the CPU expected");
+  TORCH_CHECK(S.device().is_cpu() && S.scalar_type() == torch::kBFloat16 && S.dim() == 6 &&
+                  S.is_contiguous() && S.size(5) == 2,
+              "readout_picks_bf16_amx: S (B, H, N, K/2, V, 2) contiguous bfloat16 expected");
+  const int64_t B = S.size(0), H = S.size(1), N = S.size(2), K = 2 * S.size(3), V = S.size(4);
+  const int64_t L = q.size(1), k = idx.size(3);
+  TORCH_CHECK(K % 32 == 0 && V % 16 == 0 && K > 0 && V > 0,
+              "readout_picks_bf16_amx: K a multiple of 32 and V of 16 expected, got K = ", K,
+              ", V = ", V);
+  TORCH_CHECK(q.sizes() == torch::IntArrayRef({B, L, H, K}) && idx.size(0) == B &&
+                  idx.size(1) == L && idx.size(2) == H && w.sizes() == idx.sizes(),
+              "readout_picks_bf16_amx: q (B, L, H, K), idx and w (B, L, H, k) expected");
+  auto y = torch::zeros({B, L, H, V}, q.options());
+  const auto qs = q.strides(), is = idx.strides(), ws = w.strides();
+  const bool ok = picks_rows(reinterpret_cast<const uint16_t*>(S.data_ptr()),
+                             q.data_ptr<float>(), qs.data(), idx.data_ptr<int64_t>(), is.data(),
+                             w.data_ptr<float>(), ws.data(), y.data_ptr<float>(), B, N, H, K, V,
+                             L, k);
+  TORCH_CHECK(ok, "readout_picks_bf16_amx: a checkpoint index is outside S");
+  return y;
+}
+
+torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
+  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kFloat32 && src.dim() == 5,
+              "key_pairs_bf16_: src must be a 5-D (B, n, H, K, V) float32 CPU tensor");
+  const int64_t B = src.size(0), n = src.size(1), H = src.size(2), K = src.size(3),
+                V = src.size(4);
+  TORCH_CHECK(src.stride(4) == 1 && src.stride(3) == V,
+              "key_pairs_bf16_: each (K, V) of src must be contiguous");
+  TORCH_CHECK(dst.device().is_cpu() && dst.scalar_type() == torch::kBFloat16 && dst.dim() == 6 &&
+                  dst.is_contiguous() && dst.size(0) == B && dst.size(1) == H &&
+                  dst.size(3) * 2 == K && dst.size(4) == V && dst.size(5) == 2 && K % 2 == 0,
+              "key_pairs_bf16_: dst must be a contiguous bfloat16 (B, H, N, K/2, V, 2) = (", B,
+              ", ", H, ", N, ", K / 2, ", ", V, ", 2), got ", dst.sizes());
+  const int64_t N = dst.size(2);
+  TORCH_CHECK(offset >= 0 && offset + n <= N, "key_pairs_bf16_: offset ", offset, " + ", n,
+              " checkpoints past N = ", N);
+  const float* sp = src.data_ptr<float>();
+  uint32_t* dp = reinterpret_cast<uint32_t*>(dst.data_ptr());  // a key pair per 32 bits
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+  const int64_t KV2 = K / 2 * V;
+  at::parallel_for(0, B * n * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K * V)),
+                   [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (n * H), i = u / H % n, h = u % H;
+      const uint32_t* s = reinterpret_cast<const uint32_t*>(sp + b * s0 + i * s1 + h * s2);
+      uint32_t* d = dp + ((b * H + h) * N + offset + i) * KV2;
+      for (int64_t kp = 0; kp < K / 2; ++kp) {
+        const uint32_t *r0 = s + 2 * kp * V, *r1 = r0 + V;
+        uint32_t* o = d + kp * V;
+        int64_t v = 0;
+        for (; v + 16 <= V; v += 16) {
+          v16u a, c;
+          std::memcpy(&a, r0 + v, sizeof a);
+          std::memcpy(&c, r1 + v, sizeof c);
+          const v16u y = bf16_bits(a) | (bf16_bits(c) << 16);
+          std::memcpy(o + v, &y, sizeof y);
+        }
+        for (; v < V; ++v) {
+          v16u a{}, c{};
+          a[0] = r0[v];
+          c[0] = r1[v];
+          o[v] = (bf16_bits(a) | (bf16_bits(c) << 16))[0];
+        }
+      }
+    }
+  });
+  return dst;
+}
 
 torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
   TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kFloat32 && src.dim() == 5,

@@ -805,6 +805,12 @@ void bind(pybind11::module& m) {
   m.def("readout_bf16_amx_", &readout_bf16_amx_,
         "o (A, T, V) += sum_j q . bf16(w[:, :, j]) bf16(S_j) on AMX tiles, float32 sums",
         pybind11::arg("o"), pybind11::arg("w"), pybind11::arg("q"), pybind11::arg("S"));
+  m.def("readout_picks_bf16_amx", &readout_picks_bf16_amx,
+        "y (B, L, H, V) = sum_j bf16(w_j q) S[idx_j] on AMX tiles, picks grouped by checkpoint",
+        pybind11::arg("S"), pybind11::arg("q"), pybind11::arg("idx"), pybind11::arg("w"));
+  m.def("key_pairs_bf16_", &key_pairs_bf16_,
+        "checkpoints src (B, n, H, K, V) into dst (B, H, N, K/2, V, 2) bfloat16 at offset",
+        pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("offset"));
   m.def("ckpt_pairs_bf16_", &ckpt_pairs_bf16_,
         "checkpoints src (B, n, H, K, V) into dst (B, H, K*V/16, P, 16, 2) bfloat16 at offset",
         pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("offset"));

@@ -82,6 +82,20 @@ int bf16_level();
 torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const torch::Tensor& q,
                                 const torch::Tensor& S);
 
+// amx.cpp: an ssc prefill's readout of each token's picked checkpoints on AMX tiles:
+// y[b, t, h] = Σ_j Σ_k bf16(w[b, t, h, j] · q[b, t, h, k]) · S[b, h, idx[b, t, h, j], k, :],
+// float32 sums (readout_picks' grouping: per tile of tokens the picks sorted by checkpoint, 16
+// picks of a checkpoint per tile product). S (B, H, N, K/2, V, 2) bfloat16 in key pairs
+// (key_pairs_bf16_), q (B, L, H, K), idx (B, L, H, k) int64 and w (B, L, H, k) any strides;
+// K a multiple of 32, V of 16 → (B, L, H, V).
+torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor& q,
+                                    const torch::Tensor& idx, const torch::Tensor& w);
+
+// amx.cpp: checkpoints into readout_picks_bf16_amx's key pairs: src (B, n, H, K, V) float32
+// with each (K, V) contiguous → dst[b, h, offset + i, k/2, v, k % 2] = bf16(src[b, i, h, k,
+// v]) (round to nearest even, NaN kept), dst (B, H, N, K/2, V, 2) bfloat16 contiguous.
+torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset);
+
 // amx.cpp: checkpoints into readout_bf16_amx_'s layout. src (B, n, H, K, V) float32 with each
 // (K, V) contiguous → dst[b, h, g, p, c, e] = bf16(src[b, j - offset, h].flat[16g + c]) for j =
 // 2p + e in offset .. offset + n (round to nearest even, NaN kept; the other checkpoint of a

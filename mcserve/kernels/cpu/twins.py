@@ -88,6 +88,26 @@ def outer_bf16_(X: Tensor, w: Tensor, q: Tensor) -> Tensor:
     return torch.mul(w[..., None], q[:, :, None, :], out=X)
 
 
+def key_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
+    """dst ``(B, H, N, K/2, V, 2)`` bfloat16 [:, :, offset:offset + n] = src ``(B, n, H, K,
+    V)`` with its keys in pairs (key 2i at [..., i, :, 0], 2i + 1 at [..., i, :, 1]), in
+    place."""
+    B, n, H, K, V = src.shape
+    pairs = src.transpose(1, 2).reshape(B, H, n, K // 2, 2, V).transpose(-1, -2)
+    dst[:, :, offset:offset + n].copy_(pairs.to(torch.bfloat16))
+    return dst
+
+
+def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    """y ``(B, L, H, V)`` = Σ_j bf16(w[..., j]·q)ᵀ S[idx[..., j]] with float32 sums: S
+    ``(B, H, N, K/2, V, 2)`` bfloat16 in ``key_pairs_bf16_``' layout."""
+    B, H, N, K2, V, _ = S.shape
+    plain = S.transpose(-1, -2).reshape(B, H, N, 2 * K2, V).transpose(1, 2).float()
+    X = (w[..., None] * q[..., None, :]).to(torch.bfloat16).float()  # (B, L, H, k, K)
+    picked = plain[torch.arange(B)[:, None, None, None], idx, torch.arange(H)[None, None, :, None]]
+    return torch.einsum("blhjk,blhjkv->blhv", X, picked)  # picked (B, L, H, k, K, V)
+
+
 def ckpt_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
     """dst ``(B, H, K·V/16, P, 16, 2)`` bfloat16: checkpoints offset .. offset + n of it =
     src ``(B, n, H, K, V)``, each checkpoint's flattened (k, v) in groups of 16, checkpoints in
