@@ -18,6 +18,7 @@
 // state (XCR0 bits 17 and 18) and, on Linux, grants this process the tile data permission
 // (arch_prctl ARCH_REQ_XCOMP_PERM): a VM or kernel that does not is found here, before any tile
 // instruction runs. lowp.cpp's self-test then checks the level against the scalar kernel.
+#include "common.h"
 #include "lowp.h"
 #include "vmath.h"
 
@@ -385,7 +386,7 @@ static bool picks_rows(const uint16_t* S, const float* qp, const int64_t* qs, co
   std::atomic<bool> bad{false};
   at::parallel_for(0, B * H * tiles, 1, [&](int64_t i0, int64_t i1) {
     load_config(16);
-    std::vector<int64_t> start(N + 1), fill(N), order(kTile * k);
+    std::vector<int64_t> start(N + 1), order(kTile * k);
     std::vector<uint16_t> a(static_cast<size_t>(16 * K));
     alignas(64) float c[4 * 256];
     for (int64_t task = i0; task < i1; ++task) {
@@ -395,20 +396,7 @@ static bool picks_rows(const uint16_t* S, const float* qp, const int64_t* qs, co
                                                         j * is[3]]; };
       auto weight = [&](int64_t t, int64_t j) { return wp[b * ws[0] + t * ws[1] + h * ws[2] +
                                                           j * ws[3]]; };
-      std::fill(start.begin(), start.end(), 0);
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t n = pick(t, j);
-          if (n < 0 || n >= N) { bad = true; continue; }
-          if (weight(t, j) != 0.f) ++start[n + 1];
-        }
-      for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
-      std::copy(start.begin(), start.end() - 1, fill.begin());
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t n = pick(t, j);
-          if (n >= 0 && n < N && weight(t, j) != 0.f) order[fill[n]++] = (t - t0) * k + j;
-        }
+      if (!mcserve_ops::sort_picks(pick, weight, t0, t1, k, N, start, order)) bad = true;
       for (int64_t n = 0; n < N; ++n) {
         const uint16_t* Sn = S + ((b * H + h) * N + n) * K * V;
         for (int64_t g = start[n]; g < start[n + 1]; g += 16) {
@@ -526,13 +514,19 @@ torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor
   return y;
 }
 
-torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
+// checkpoints (B, n, H, K, V) float32 on the CPU with each (K, V) contiguous, as the layout
+// conversions below read them
+static void check_ckpt_src(const torch::Tensor& src, const char* op) {
   TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kFloat32 && src.dim() == 5,
-              "key_pairs_bf16_: src must be a 5-D (B, n, H, K, V) float32 CPU tensor");
+              op, ": src must be a 5-D (B, n, H, K, V) float32 CPU tensor");
+  TORCH_CHECK(src.stride(4) == 1 && src.stride(3) == src.size(4), op,
+              ": each (K, V) of src must be contiguous");
+}
+
+torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
+  check_ckpt_src(src, "key_pairs_bf16_");
   const int64_t B = src.size(0), n = src.size(1), H = src.size(2), K = src.size(3),
                 V = src.size(4);
-  TORCH_CHECK(src.stride(4) == 1 && src.stride(3) == V,
-              "key_pairs_bf16_: each (K, V) of src must be contiguous");
   TORCH_CHECK(dst.device().is_cpu() && dst.scalar_type() == torch::kBFloat16 && dst.dim() == 6 &&
                   dst.is_contiguous() && dst.size(0) == B && dst.size(1) == H &&
                   dst.size(3) * 2 == K && dst.size(4) == V && dst.size(5) == 2 && K % 2 == 0,
@@ -575,12 +569,10 @@ torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64
 }
 
 torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset) {
-  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kFloat32 && src.dim() == 5,
-              "ckpt_pairs_bf16_: src must be a 5-D (B, n, H, K, V) float32 CPU tensor");
+  check_ckpt_src(src, "ckpt_pairs_bf16_");
   const int64_t B = src.size(0), n = src.size(1), H = src.size(2), K = src.size(3),
                 V = src.size(4);
-  TORCH_CHECK(src.stride(4) == 1 && src.stride(3) == V && (K * V) % 16 == 0,
-              "ckpt_pairs_bf16_: each (K, V) of src must be contiguous, K·V a multiple of 16");
+  TORCH_CHECK((K * V) % 16 == 0, "ckpt_pairs_bf16_: K·V a multiple of 16 expected");
   const int64_t G = K * V / 16;
   TORCH_CHECK(dst.device().is_cpu() && dst.scalar_type() == torch::kBFloat16 && dst.dim() == 6 &&
                   dst.is_contiguous() && dst.size(0) == B && dst.size(1) == H &&

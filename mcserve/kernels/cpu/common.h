@@ -1,11 +1,14 @@
-// Helpers shared by the CPU decode kernels (the ops of ops.h): argument checks, the plain dot
-// product and the weighted readout of (K, V) state blocks. Inline: each file that uses them
-// compiles them into its own loops, as when every op lived in one file.
+// Helpers shared by the CPU kernels (the ops of ops.h, and amx.cpp's): argument checks, the plain
+// dot product, the weighted readout of (K, V) state blocks and the sort of a prefill tile's picks
+// by checkpoint. Inline: each file that uses them compiles them into its own loops, as when every
+// op lived in one file.
 #pragma once
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace mcserve_ops {
 
@@ -51,6 +54,35 @@ inline void readout_row(const float* const* blocks, const float* wts, int64_t nb
       for (int64_t j = j0; j < V; ++j) out[j] += f * row[j];
     }
   }
+}
+
+// The picks of one tile of tokens t0 .. t1 (k per token: pick(t, j) a checkpoint in [0, N),
+// weight(t, j) its weight) sorted by checkpoint with a counting sort: order[start[n] ..
+// start[n + 1]) are the (t - t0)·k + j of checkpoint n's picks, in token order; zero weights are
+// left out. start has N + 1 entries, order at least (t1 - t0)·k. False when a pick lies outside
+// [0, N) (it is left out too).
+template <class Pick, class Weight>
+bool sort_picks(const Pick& pick, const Weight& weight, int64_t t0, int64_t t1, int64_t k,
+                int64_t N, std::vector<int64_t>& start, std::vector<int64_t>& order) {
+  bool ok = true;
+  std::fill(start.begin(), start.end(), 0);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t n = pick(t, j);
+      if (n < 0 || n >= N) {
+        ok = false;
+        continue;
+      }
+      if (weight(t, j) != 0.f) ++start[n + 1];
+    }
+  for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t n = pick(t, j);
+      if (n >= 0 && n < N && weight(t, j) != 0.f) order[fill[n]++] = (t - t0) * k + j;
+    }
+  return ok;
 }
 
 }  // namespace mcserve_ops

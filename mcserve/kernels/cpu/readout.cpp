@@ -143,20 +143,7 @@ torch::Tensor readout_picks(const torch::Tensor& S, const torch::Tensor& q,
                                                         j * is[3]]; };
       auto weight = [&](int64_t t, int64_t j) { return wp[b * ws[0] + t * ws[1] + h * ws[2] +
                                                           j * ws[3]]; };
-      std::fill(start.begin(), start.end(), 0);
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t n = pick(t, j);
-          if (n < 0 || n >= N) { bad = true; continue; }
-          if (weight(t, j) != 0.f) ++start[n + 1];
-        }
-      for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
-      std::vector<int64_t> fill(start.begin(), start.end() - 1);
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t n = pick(t, j);
-          if (n >= 0 && n < N && weight(t, j) != 0.f) order[fill[n]++] = (t - t0) * k + j;
-        }
+      if (!sort_picks(pick, weight, t0, t1, k, N, start, order)) bad = true;
       for (int64_t n = 0; n < N; ++n) {
         const float* Sn = Sp + ((b * N + n) * H + h) * K * V;
         for (int64_t g = start[n]; g < start[n + 1]; g += 4) {
