@@ -439,14 +439,11 @@ def mc_linear_chunk(
         o = torch.cat([o.new_zeros(B, f0, H, V), o, o.new_zeros(B, pad, H, V)], 1)
         o = o.view(B, G, C, H, V)
     # ---- online scores: the mean key of the online segment so far, token t included
-    if torch.is_grad_enabled():
-        kc = kf.cumsum(2)  # (B, G, C, H, K)
-        kc[:, 0] += initial_ksum[:, None]
-    else:  # the running sums in place, in the decode step's order (twice cumsum's speed here)
-        kc = kf.clone()
-        kc[:, 0, 0] += initial_ksum
-        for c in range(1, C):
-            kc[:, :, c] += kc[:, :, c - 1]
+    # the running key sums of every segment as one product with a lower-triangular ones matrix
+    # (on the CPU a cumsum along the segment's dim, not the last one, is the slower pass)
+    tri = torch.ones(C, C, dtype=kf.dtype, device=kf.device).tril_()
+    kc = torch.matmul(tri, kf.reshape(B * G, C, H * K)).view(B, G, C, H, K)
+    kc[:, 0] += initial_ksum[:, None]
     seg_ksum = kc[:, :, -1]  # (B, G, H, K) key sum of each (padded) segment
     if mc.fixed_weights:
         # collapsed: the cached memories are one running sum; segment g adds g new checkpoints

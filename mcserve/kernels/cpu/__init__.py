@@ -40,7 +40,7 @@ _DIR = Path(__file__).parent
 #: the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
 _SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
                                     "readout.cpp", "blocks.cpp", "lowp.cpp", "amx.cpp",
-                                    "experts.cpp", "sampling.cpp"))
+                                    "pairs.cpp", "experts.cpp", "sampling.cpp"))
 _HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h", "vmath.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -398,14 +398,20 @@ def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
     return m.readout_picks_bf16_amx(S, q, idx, w)
 
 
+def _ckpts_ok(dst: Tensor, src: Tensor) -> bool:
+    """src float32 checkpoints ``(B, n, H, K, V)`` on the CPU, each (K, V) contiguous, and dst
+    a contiguous bfloat16 tensor: what the C++ layout conversions read and write."""
+    return (_f32_cpu(src) and src.dim() == 5 and src.stride(-1) == 1
+            and src.stride(-2) == src.shape[-1] and dst.dtype == torch.bfloat16
+            and dst.is_contiguous())
+
+
 def key_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
     """Checkpoints src ``(B, n, H, K, V)`` float32 into ``readout_picks_bf16``'s key pairs in
     place: dst ``(B, H, N, K/2, V, 2)`` bfloat16 at checkpoints offset .. offset + n, rounded
     to nearest even; one pass (twin ``twins.key_pairs_bf16_``)."""
     m = ops()
-    if (m is None or not _f32_cpu(src) or src.dim() != 5 or src.stride(-1) != 1
-            or src.stride(-2) != src.shape[-1] or dst.dtype != torch.bfloat16
-            or not dst.is_contiguous()):
+    if m is None or not _ckpts_ok(dst, src):
         return twins.key_pairs_bf16_(dst, src, offset)
     return m.key_pairs_bf16_(dst, src, offset)
 
@@ -415,9 +421,7 @@ def ckpt_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
     dst ``(B, H, K·V/16, P, 16, 2)`` bfloat16 at checkpoints offset .. offset + n, rounded to
     nearest even; one pass (twin ``twins.ckpt_pairs_bf16_``)."""
     m = ops()
-    if (m is None or not _f32_cpu(src) or src.dim() != 5 or src.stride(-1) != 1
-            or src.stride(-2) != src.shape[-1] or dst.dtype != torch.bfloat16
-            or not dst.is_contiguous()):
+    if m is None or not _ckpts_ok(dst, src):
         return twins.ckpt_pairs_bf16_(dst, src, offset)
     return m.ckpt_pairs_bf16_(dst, src, offset)
 

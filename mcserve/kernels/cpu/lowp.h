@@ -91,12 +91,12 @@ torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const t
 torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor& q,
                                     const torch::Tensor& idx, const torch::Tensor& w);
 
-// amx.cpp: checkpoints into readout_picks_bf16_amx's key pairs: src (B, n, H, K, V) float32
+// pairs.cpp: checkpoints into readout_picks_bf16_amx's key pairs: src (B, n, H, K, V) float32
 // with each (K, V) contiguous → dst[b, h, offset + i, k/2, v, k % 2] = bf16(src[b, i, h, k,
 // v]) (round to nearest even, NaN kept), dst (B, H, N, K/2, V, 2) bfloat16 contiguous.
 torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset);
 
-// amx.cpp: checkpoints into readout_bf16_amx_'s layout. src (B, n, H, K, V) float32 with each
+// pairs.cpp: checkpoints into readout_bf16_amx_'s layout. src (B, n, H, K, V) float32 with each
 // (K, V) contiguous → dst[b, h, g, p, c, e] = bf16(src[b, j - offset, h].flat[16g + c]) for j =
 // 2p + e in offset .. offset + n (round to nearest even, NaN kept; the other checkpoint of a
 // pair at either end left as it is), dst (B, H, K·V/16, P, 16, 2) bfloat16 contiguous. One pass;
