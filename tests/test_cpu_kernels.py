@@ -645,6 +645,12 @@ def test_readout_picks_bf16_matches_twin(B, L, N, H, K, V, k):
     torch.testing.assert_close(y, twins.readout_picks_bf16(S, q, idx, w), rtol=1e-4, atol=1e-4)
     exact = twins.readout_picks(S32, q, idx, w)  # float32 throughout: within bfloat16's step
     assert (y - exact).abs().max() <= 2e-2 * exact.abs().max() + 1e-6
+    base = torch.randn(B, L, H, V, generator=g)  # out: the sums added to what it holds
+    acc = base.clone()
+    assert cpu.readout_picks_bf16(S, q, idx, w, out=acc) is acc
+    torch.testing.assert_close(acc, base + y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(twins.readout_picks_bf16(S, q, idx, w, out=base.clone()),
+                               base + y, rtol=1e-4, atol=1e-4)
     bad = idx.clone()
     bad[0, 0, 0, 0] = N
     with pytest.raises(RuntimeError, match="outside"):

@@ -434,3 +434,20 @@ def test_eval_ppl_quantization_flag(tmp_path):
     assert out["int8"]["quantization"] == "int8" and out[None]["quantization"] is None
     a, b = (out[q]["results"][0]["ppl"] for q in (None, "int8"))
     assert a != b and abs(b / a - 1) < 0.05
+
+
+@needs_ops
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_packed_rows_match_twin_and_the_dequantized_weight(kind):
+    """A token embedding's lookup from the packed table: rows in any order and repeated, odd K
+    (a half-used last pair), the last partial block; a row past the table is an error."""
+    w, q, s = quantized(37, 77, 11)
+    P, scales = (q, s) if kind == "int8" else (twins.pack_pairs(w.bfloat16()), torch.ones(37))
+    idx = torch.tensor([36, 0, 5, 5, 17, 32, 1])
+    got = cpu.packed_rows(P, scales, idx, 77)
+    assert torch.equal(got, twins.packed_rows(P, scales, idx, 77))
+    lw = lp.LowpWeight(kind, P, scales, 77)
+    assert torch.equal(got, lw.dequantized()[idx]) and torch.equal(lw.rows(idx), got)
+    assert cpu.packed_rows(P, scales, idx[:0], 77).shape == (0, 77)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu.ops().packed_rows(P, scales, torch.tensor([37]), 77)

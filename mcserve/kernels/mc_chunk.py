@@ -355,7 +355,7 @@ def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
             for part in S:
                 cpu_ops.key_pairs_bf16_(Sx, part, n)
                 n += part.shape[1]
-            return y + cpu_ops.readout_picks_bf16(Sx, q, idx, w)
+            return cpu_ops.readout_picks_bf16(Sx, q, idx, w, out=y)
         return y + _readout_picks(torch.cat(S, 1).contiguous(), q, idx, w)
     r_c = _scores(u, ksum, n_carried, segment_len)
     idx = _select(r_c, top_k)  # (B, L, H, top_k)

@@ -1,5 +1,11 @@
 """Layers several model families share: RMS norms (in the input's dtype or in float32 at
-least, and grouped and gated) and the SwiGLU MLP."""
+least, and grouped and gated) and the gated MLPs (SwiGLU with a stacked gate/up projection,
+GatedMLP with separate ones).
+
+At CPU inference with int8 or bfloat16 weights (``lowp_linear``) a gated MLP is one C++ call,
+``kernels.cpu.gated_mlp``: the rows in chunks, each chunk's projections and activation in one
+thread's caches (at 8K prefill rows a SwiGLU of 688 took 2.4× as long through the three
+products and the separate activation)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from torch import Tensor, nn
 
 from mcserve.kernels import cpu as cpu_ops
 from mcserve.models.importing import up as _up
+from mcserve.models.lowp_linear import lowp_of
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +86,14 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and x.is_cpu and x.dtype == torch.float32:
+            lu, ld = lowp_of(self.up), lowp_of(self.down)
+            hidden = self.down.in_features
+            if lu is not None and ld is not None and lu.kind == ld.kind and hidden % 16 == 0:
+                # the stacked weight's gate blocks are its first hidden / 16 blocks of 16 rows
+                nb = hidden // 16
+                return cpu_ops.gated_mlp(x, lu.data[:nb], lu.scales[:hidden], lu.data[nb:],
+                                         lu.scales[hidden:], ld.data, ld.scales)
         gate, up = self.up(x).chunk(2, dim=-1)
         if torch.is_grad_enabled():
             return self.down(F.silu(gate) * up)
@@ -102,6 +117,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        lps = [lowp_of(m) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+        if (x.is_cpu and x.dtype == torch.float32 and all(lp is not None for lp in lps)
+                and len({lp.kind for lp in lps}) == 1
+                and all(m.bias is None for m in (self.gate_proj, self.up_proj, self.down_proj))):
+            (g, u, d) = lps
+            return cpu_ops.gated_mlp(x, g.data, g.scales, u.data, u.scales, d.data, d.scales)
         if x.is_cpu:  # one pass for the SiLU and the product
             g, u = self.gate_proj(x), self.up_proj(x)
             return self.down_proj(cpu_ops.silu_mul(g.reshape(-1, g.shape[-1]),

@@ -91,8 +91,7 @@ class LowpWeight:
     def rows(self, idx: Tensor) -> Tensor:
         """``self.dequantized()[idx]`` for a 1-D index, reading only those rows (a token
         embedding's lookup)."""
-        r = self.data[idx // 16, :, idx % 16, :].reshape(idx.numel(), -1)[:, :self.in_features]
-        return r.float() * self.scales[idx][:, None]
+        return cpu_ops.packed_rows(self.data, self.scales, idx, self.in_features)
 
     def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear(x, self.dequantized(), bias)`` through the C++ kernels where they apply."""

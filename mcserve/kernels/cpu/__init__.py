@@ -40,7 +40,7 @@ _DIR = Path(__file__).parent
 #: the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
 _SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
                                     "readout.cpp", "blocks.cpp", "lowp.cpp", "amx.cpp",
-                                    "pairs.cpp", "experts.cpp", "sampling.cpp"))
+                                    "pairs.cpp", "mlp.cpp", "sampling.cpp"))
 _HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h", "vmath.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -335,11 +335,41 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
     return _unrows(m.bf16_linear(_rows(x), weight, scales.contiguous(), bias), x)
 
 
+def packed_rows(P: Tensor, scales: Tensor, idx: Tensor, K: int) -> Tensor:
+    """Rows ``idx (T,)`` of a packed int8 / bfloat16 weight as float32 times their scales (twin
+    ``twins.packed_rows``): one C++ pass (``pairs.cpp``), a token embedding's lookup."""
+    m = ops()
+    if (m is None or not _f32_cpu(scales) or idx.dim() != 1 or idx.dtype != torch.int64
+            or not idx.device.type == "cpu" or not P.is_contiguous()):
+        return twins.packed_rows(P, scales, idx, K)
+    return m.packed_rows(P, scales.contiguous(), idx, K)
+
+
+def gated_mlp(x: Tensor, gate: Tensor, s_gate: Tensor, up: Tensor, s_up: Tensor, down: Tensor,
+              s_down: Tensor, act: int = 0) -> Tensor:
+    """``down(act(gate x) · up x)`` for x ``(..., D)`` and packed int8 / bfloat16 weights with
+    their scales (twin ``twins.gated_mlp``, same signature), in one call (``mlp.cpp``): the rows
+    in chunks, each chunk's projections and activation in one thread's caches, the activation
+    on AMX tiles applied as the gate and up sums leave them; no ``(T, 2I)`` or ``(T, I)``
+    tensor in memory. The products are ``linear_q8`` / ``linear_bf16``'s: a row's result does
+    not depend on the others."""
+    m = ops()
+    D = x.shape[-1]
+    if (m is None or not _f32_cpu(x, s_gate, s_up, s_down) or gate.dtype != up.dtype
+            or gate.dtype != down.dtype or gate.dtype not in (torch.int8, torch.bfloat16)
+            or not _packed_ok(x, gate, s_gate, gate.dtype) or not _packed_ok(x, up, s_up, up.dtype)
+            or tuple(down.shape) != (-(-D // 16), -(-s_gate.numel() // 2), 16, 2)
+            or not down.is_contiguous()):
+        return twins.gated_mlp(x, gate, s_gate, up, s_up, down, s_down, act)
+    return _unrows(m.gated_mlp(_rows(x), gate, s_gate.contiguous(), up, s_up.contiguous(), down,
+                               s_down.contiguous(), act), x)
+
+
 def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor | None,
                 down: Tensor, s_down: Tensor | None, gated: bool, act: int) -> Tensor:
     """A MoE layer's routed experts, packed int8 / bfloat16 with their scales or the float32
     stacks, weighted and summed per token (twin ``twins.moe_experts``, same signature): one C++
-    call (``experts.cpp``) for what a Python loop over the experts did; a row's result does not
+    call (``mlp.cpp``) for what a Python loop over the experts did; a row's result does not
     depend on the other tokens."""
     m = ops()
     lowp = w_in.dtype in (torch.int8, torch.bfloat16)
@@ -383,19 +413,23 @@ def readout_bf16_(o: Tensor, w: Tensor, q: Tensor, S: Tensor) -> Tensor:
     return m.readout_bf16_amx_(o, w, q, S)
 
 
-def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor,
+                       out: Tensor | None = None) -> Tensor:
     """``readout_picks`` with bfloat16 operands and float32 sums (twin
     ``twins.readout_picks_bf16``, same signature): y ``(B, L, H, V)`` = Σ_j bf16(w_j·q)ᵀ
-    S[idx_j], S ``(B, H, N, K/2, V, 2)`` bfloat16 in ``key_pairs_bf16_``' layout. On AMX tiles
-    (``readout_bf16_fused``, K a multiple of 32) 16 picks of a checkpoint per tile product; the
-    twin elsewhere."""
+    S[idx_j], S ``(B, H, N, K/2, V, 2)`` bfloat16 in ``key_pairs_bf16_``' layout; with ``out``
+    (contiguous float32 ``(B, L, H, V)``) the sums are added to it in place and it is returned.
+    On AMX tiles (``readout_bf16_fused``, K a multiple of 32) 16 picks of a checkpoint per tile
+    product; the twin elsewhere."""
     m = ops()
     K, V = q.shape[-1], S.shape[-2]
     if (m is None or K % 32 or not readout_bf16_fused(K, V) or not _f32_cpu(q, w)
             or S.dtype != torch.bfloat16 or not S.is_contiguous()
             or idx.dtype != torch.int64 or idx.device.type != "cpu"):
-        return twins.readout_picks_bf16(S, q, idx, w)
-    return m.readout_picks_bf16_amx(S, q, idx, w)
+        return twins.readout_picks_bf16(S, q, idx, w, out)
+    if out is not None and not (_f32_cpu(out) and out.is_contiguous()):
+        return out.add_(m.readout_picks_bf16_amx(S, q, idx, w))
+    return m.readout_picks_bf16_amx(S, q, idx, w, out)
 
 
 def _ckpts_ok(dst: Tensor, src: Tensor) -> bool:

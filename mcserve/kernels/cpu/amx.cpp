@@ -20,6 +20,7 @@
 // instruction runs. lowp.cpp's self-test then checks the level against the scalar kernel.
 #include "common.h"
 #include "lowp.h"
+#include "vmath.h"
 
 #include <ATen/Parallel.h>
 
@@ -230,21 +231,39 @@ bool amx_bf16_usable(std::string* why) {
   return true;
 }
 
-void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb, int64_t Kx,
-                   int64_t B, const float* sw, const float* bias, float* y) {
-  const int64_t NBk = (N + kL - 1) / kL, steps = KP / 16, rem = KP % 16;
-  const int64_t Bp = (B + 15) / 16 * 16;  // xb holds Bp rows, the ones beyond B zero
-  // each block's last, partial pair-step zero-padded to a whole tile
+namespace {
+
+// each block's last, partial pair-step of P (NBk blocks) zero-padded to a whole tile
+std::vector<uint16_t> block_tails(const uint16_t* P, int64_t NBk, int64_t KP) {
+  const int64_t steps = KP / 16, rem = KP % 16;
   std::vector<uint16_t> tails(rem != 0 ? static_cast<size_t>(NBk * 512) : 0, 0);
   for (int64_t j = 0; rem != 0 && j < NBk; ++j)
     std::memcpy(tails.data() + j * 512, P + (j * KP + steps * 16) * 2 * kL,
                 sizeof(uint16_t) * rem * 2 * kL);
+  return tails;
+}
+
+// the two blocks (or one, nt = 1) whose sums one tile call makes, and their zero-padded tails
+struct BlockPair {
+  const uint16_t* b[2];
+  const uint16_t* t[2];
+  int nt;
+};
+
+// xb's rows times `pairs` block pairs (src(p) → BlockPair), KP pair-steps each; the sums of row
+// tile pair m0 (mt tiles of 16 rows) and block pair p go to epi(c, m0, mt, p, nt), c holding the
+// tile of rows 16m and block n at (2m + n) · 256. Block pairs are split over torch's threads, in
+// groups of about 512 KiB of weights read from memory once per call and from L2 for every further
+// tile of rows.
+template <class Src, class Epi>
+void drive_pairs(int64_t pairs, int64_t KP, const uint16_t* xb, int64_t Kx, int64_t B, Src src,
+                 Epi epi) {
+  const int64_t steps = KP / 16;
+  const bool tail = KP % 16 != 0;
+  const int64_t Bp = (B + 15) / 16 * 16;  // xb holds Bp rows, the ones beyond B zero
   const int64_t lda = Kx * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t pairs = (NBk + 1) / 2;
   const int64_t pair_bytes = 2 * KP * 2 * kL * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, pair_bytes));
-  // block pairs per group: ~512 KiB of weights, read from memory once per call and from L2
-  // for every further tile of rows
   const int64_t group = std::max<int64_t>(1, (512 << 10) / std::max<int64_t>(1, pair_bytes));
   at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
     load_config(static_cast<int>(std::min<int64_t>(16, B)));
@@ -254,25 +273,88 @@ void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb,
       for (int64_t m0 = 0; m0 < Bp;) {
         const int mt = Bp - m0 >= 32 ? 2 : 1;
         for (int64_t p = g0; p < g1; ++p) {
-          const int64_t j = 2 * p;
-          const int nt = j + 1 < NBk ? 2 : 1;
-          const uint16_t* b[2] = {P + j * KP * 2 * kL, P + (j + nt - 1) * KP * 2 * kL};
-          const uint16_t* t[2] = {tails.data() + j * 512, tails.data() + (j + nt - 1) * 512};
-          tile_fn(mt, nt)(xb + m0 * Kx, lda, b, steps, rem != 0 ? t : nullptr, c);
-          for (int m = 0; m < mt; ++m)
-            for (int n = 0; n < nt; ++n) {
-              const int64_t r0 = m0 + 16 * m, n0 = (j + n) * kL;
-              const int rows = static_cast<int>(std::min<int64_t>(16, B - r0));
-              const int cols = static_cast<int>(std::min<int64_t>(kL, N - n0));
-              if (rows > 0)
-                store_rows(c + (2 * m + n) * 256, rows, y + r0 * N, N, n0, cols, sw, bias);
-            }
+          const BlockPair bp = src(p);
+          tile_fn(mt, bp.nt)(xb + m0 * Kx, lda, bp.b, steps, tail ? bp.t : nullptr, c);
+          epi(c, m0, mt, p, bp.nt);
         }
         m0 += 16 * mt;
       }
     }
     release();
   });
+}
+
+// act(g · sg) · (u · su) for `rows` rows of a gate tile cg and an up tile cu (16 × 16 sums),
+// `cols` of the 16 outputs, into h (row stride ldh); act 0 SiLU, 1 relu², 2 relu
+void store_gated(const float* cg, const float* cu, int rows, int cols, const float* sg,
+                 const float* su, int act, float* h, int64_t ldh) {
+  using mcserve_ops::load16;
+  using mcserve_ops::v16f;
+  alignas(64) float gs[16] = {}, us[16] = {}, tmp[16];
+  std::memcpy(gs, sg, sizeof(float) * cols);
+  std::memcpy(us, su, sizeof(float) * cols);
+  const v16f vg = load16(gs), vu = load16(us);
+  for (int r = 0; r < rows; ++r) {
+    const v16f g = load16(cg + r * 16) * vg, u = load16(cu + r * 16) * vu;
+    const v16f a = mcserve_ops::vact(g, act) * u;
+    if (cols == 16) {
+      mcserve_ops::store16(h + r * ldh, a);
+    } else {
+      mcserve_ops::store16(tmp, a);
+      std::memcpy(h + r * ldh, tmp, sizeof(float) * cols);
+    }
+  }
+}
+
+}  // namespace
+
+void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb, int64_t Kx,
+                   int64_t B, const float* sw, const float* bias, float* y) {
+  const int64_t NBk = (N + kL - 1) / kL;
+  const std::vector<uint16_t> tails = block_tails(P, NBk, KP);
+  const uint16_t* tp = tails.data();
+  drive_pairs(
+      (NBk + 1) / 2, KP, xb, Kx, B,
+      [&](int64_t p) {
+        const int64_t j = 2 * p;
+        const int nt = j + 1 < NBk ? 2 : 1;
+        return BlockPair{{P + j * KP * 2 * kL, P + (j + nt - 1) * KP * 2 * kL},
+                         {tp + j * 512, tp + (j + nt - 1) * 512}, nt};
+      },
+      [&](const float* c, int64_t m0, int mt, int64_t p, int nt) {
+        for (int m = 0; m < mt; ++m)
+          for (int n = 0; n < nt; ++n) {
+            const int64_t r0 = m0 + 16 * m, n0 = (2 * p + n) * kL;
+            const int rows = static_cast<int>(std::min<int64_t>(16, B - r0));
+            const int cols = static_cast<int>(std::min<int64_t>(kL, N - n0));
+            if (rows > 0)
+              store_rows(c + (2 * m + n) * 256, rows, y + r0 * N, N, n0, cols, sw, bias);
+          }
+      });
+}
+
+void amx_bf16_gated(const uint16_t* Pg, const uint16_t* Pu, int64_t I, int64_t KP,
+                    const uint16_t* xb, int64_t Kx, int64_t B, const float* sg, const float* su,
+                    int act, float* h) {
+  const int64_t NBk = (I + kL - 1) / kL;
+  const std::vector<uint16_t> tg = block_tails(Pg, NBk, KP), tu = block_tails(Pu, NBk, KP);
+  drive_pairs(
+      NBk, KP, xb, Kx, B,
+      [&](int64_t j) {
+        return BlockPair{{Pg + j * KP * 2 * kL, Pu + j * KP * 2 * kL},
+                         {tg.data() + j * 512, tu.data() + j * 512}, 2};
+      },
+      [&](const float* c, int64_t m0, int mt, int64_t j, int) {
+        const int64_t n0 = j * kL;
+        const int cols = static_cast<int>(std::min<int64_t>(kL, I - n0));
+        for (int m = 0; m < mt; ++m) {
+          const int64_t r0 = m0 + 16 * m;
+          const int rows = static_cast<int>(std::min<int64_t>(16, B - r0));
+          if (rows > 0)
+            store_gated(c + 2 * m * 256, c + (2 * m + 1) * 256, rows, cols, sg + n0, su + n0,
+                        act, h + r0 * I + n0, I);
+        }
+      });
 }
 
 // readout_bf16_amx_'s pass, its arguments checked: units of (head, 32 tokens) over torch's
@@ -438,6 +520,9 @@ bool amx_bf16_usable(std::string* why) {
 void amx_bf16_rows(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                    const float*, const float*, float*) {}
 
+void amx_bf16_gated(const uint16_t*, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+                    int64_t, const float*, const float*, int, float*) {}
+
 static void readout_rows(float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
                          int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t) {}
@@ -481,7 +566,8 @@ torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const t
 }
 
 torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor& q,
-                                    const torch::Tensor& idx, const torch::Tensor& w) {
+                                    const torch::Tensor& idx, const torch::Tensor& w,
+                                    const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(bf16_level() >= 4,
               "readout_picks_bf16_amx needs AMX-BF16 (lowp_info()['bf16_impl'] == 4)");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat32 && q.dim() == 4 &&
@@ -500,7 +586,16 @@ torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor
   TORCH_CHECK(q.sizes() == torch::IntArrayRef({B, L, H, K}) && idx.size(0) == B &&
                   idx.size(1) == L && idx.size(2) == H && w.sizes() == idx.sizes(),
               "readout_picks_bf16_amx: q (B, L, H, K), idx and w (B, L, H, k) expected");
-  auto y = torch::zeros({B, L, H, V}, q.options());
+  torch::Tensor y;
+  if (out.has_value() && out->defined()) {  // the sums added to what out holds
+    y = *out;
+    TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == torch::kFloat32 && y.is_contiguous() &&
+                    y.sizes() == torch::IntArrayRef({B, L, H, V}),
+                "readout_picks_bf16_amx: out must be a contiguous float32 (B, L, H, V) = (", B,
+                ", ", L, ", ", H, ", ", V, "), got ", y.sizes());
+  } else {
+    y = torch::zeros({B, L, H, V}, q.options());
+  }
   const auto qs = q.strides(), is = idx.strides(), ws = w.strides();
   const bool ok = picks_rows(reinterpret_cast<const uint16_t*>(S.data_ptr()),
                              q.data_ptr<float>(), qs.data(), idx.data_ptr<int64_t>(), is.data(),

@@ -807,13 +807,17 @@ void bind(pybind11::module& m) {
         pybind11::arg("o"), pybind11::arg("w"), pybind11::arg("q"), pybind11::arg("S"));
   m.def("readout_picks_bf16_amx", &readout_picks_bf16_amx,
         "y (B, L, H, V) = sum_j bf16(w_j q) S[idx_j] on AMX tiles, picks grouped by checkpoint",
-        pybind11::arg("S"), pybind11::arg("q"), pybind11::arg("idx"), pybind11::arg("w"));
+        pybind11::arg("S"), pybind11::arg("q"), pybind11::arg("idx"), pybind11::arg("w"),
+        pybind11::arg("out") = pybind11::none());
   m.def("key_pairs_bf16_", &key_pairs_bf16_,
         "checkpoints src (B, n, H, K, V) into dst (B, H, N, K/2, V, 2) bfloat16 at offset",
         pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("offset"));
   m.def("ckpt_pairs_bf16_", &ckpt_pairs_bf16_,
         "checkpoints src (B, n, H, K, V) into dst (B, H, K*V/16, P, 16, 2) bfloat16 at offset",
         pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("offset"));
+  m.def("packed_rows", &packed_rows,
+        "rows idx of a packed int8 / bfloat16 weight as float32 times their scales",
+        pybind11::arg("P"), pybind11::arg("scales"), pybind11::arg("idx"), pybind11::arg("K"));
   m.def("lowp_set_cap", [](int64_t level) { g_cap.store(static_cast<int>(level)); },
         "highest implementation level the low-precision kernels may pick (0..4)");
   m.def("lowp_info", []() {

@@ -47,7 +47,23 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& W,
 void lowp_rows(bool is_int8, const void* P, int64_t N, int64_t KP, const float* x, int64_t B,
                int64_t K, const float* sw, float* y);
 
-// The routed experts of a sparse MoE layer in one call (experts.cpp; models/moe.py): x (T, D)
+// mlp.cpp: a dense gated MLP in one call, out (T, D) = down(act(gate x) · up x) for x (T, D)
+// float32 and packed weights, all int8 or all bfloat16, with their scales: gate and up
+// (ceil(I/16), ceil(D/2), 16, 2) with (I,), down (ceil(D/16), ceil(I/2), 16, 2) with (D,); act 0
+// SiLU, 1 relu², 2 relu (vmath.h vact). The rows go through in chunks (one thread's each where
+// there are enough); each row's result is the one the three products and the activation give
+// at any batch size.
+torch::Tensor gated_mlp(const torch::Tensor& x, const torch::Tensor& gate,
+                        const torch::Tensor& s_gate, const torch::Tensor& up,
+                        const torch::Tensor& s_up, const torch::Tensor& down,
+                        const torch::Tensor& s_down, int64_t act);
+
+// lowp.cpp: P a contiguous packed weight of `t` for K inputs and the scales' length of outputs
+// (a clear error naming `what` otherwise)
+void check_packed(const torch::Tensor& P, const torch::Tensor& scales, int64_t K,
+                  torch::ScalarType t, const char* what);
+
+// The routed experts of a sparse MoE layer in one call (mlp.cpp; models/moe.py): x (T, D)
 // float32, each token's k experts idx (T, k) int64 and weights w (T, k) float32; every expert's
 // input projection w_in (E, ceil(N1/16), ceil(D/2), 16, 2) and down projection down (E,
 // ceil(D/16), ceil(I/2), 16, 2), both int8 or both bfloat16 (lowp.cpp's packing), with scales
@@ -68,6 +84,13 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
 bool amx_bf16_usable(std::string* why);
 void amx_bf16_rows(const uint16_t* P, int64_t N, int64_t KP, const uint16_t* xb, int64_t Kx,
                    int64_t B, const float* sw, const float* bias, float* y);
+// amx.cpp: h (B, I) = act(xb · (Pg · sg)ᵀ) · (xb · (Pu · su)ᵀ), the gate and up projections of
+// a gated MLP (packed bfloat16, (ceil(I/16), KP, 16, 2) each) on the same tiles, the activation
+// (vmath.h vact: 0 SiLU, 1 relu², 2 relu) applied to the float32 sums as they leave the tiles;
+// xb as for amx_bf16_rows. Each sum is the chain amx_bf16_rows makes for that weight.
+void amx_bf16_gated(const uint16_t* Pg, const uint16_t* Pu, int64_t I, int64_t KP,
+                    const uint16_t* xb, int64_t Kx, int64_t B, const float* sg, const float* su,
+                    int act, float* h);
 
 // the bfloat16 level bf16_linear runs at here (lowp.cpp's probe, under the cap): 4 on AMX tiles
 int bf16_level();
@@ -87,9 +110,11 @@ torch::Tensor readout_bf16_amx_(torch::Tensor o, const torch::Tensor& w, const t
 // float32 sums (readout_picks' grouping: per tile of tokens the picks sorted by checkpoint, 16
 // picks of a checkpoint per tile product). S (B, H, N, K/2, V, 2) bfloat16 in key pairs
 // (key_pairs_bf16_), q (B, L, H, K), idx (B, L, H, k) int64 and w (B, L, H, k) any strides;
-// K a multiple of 32, V of 16 → (B, L, H, V).
+// K a multiple of 32, V of 16 → (B, L, H, V): `out` (contiguous float32) with the sums added
+// in place when given, else new.
 torch::Tensor readout_picks_bf16_amx(const torch::Tensor& S, const torch::Tensor& q,
-                                    const torch::Tensor& idx, const torch::Tensor& w);
+                                    const torch::Tensor& idx, const torch::Tensor& w,
+                                    const c10::optional<torch::Tensor>& out);
 
 // pairs.cpp: checkpoints into readout_picks_bf16_amx's key pairs: src (B, n, H, K, V) float32
 // with each (K, V) contiguous → dst[b, h, offset + i, k/2, v, k % 2] = bf16(src[b, i, h, k,
@@ -102,6 +127,13 @@ torch::Tensor key_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64
 // pair at either end left as it is), dst (B, H, K·V/16, P, 16, 2) bfloat16 contiguous. One pass;
 // no AMX needed.
 torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int64_t offset);
+
+// pairs.cpp: rows idx (T,) int64 of a packed int8 or bfloat16 weight P ((ceil(N/16), ceil(K/2),
+// 16, 2), as check_packed takes it) as float32 times their scales: out (T, K) =
+// dequantized(P)[idx], the value times scales[idx[t]] as one float32 product (a token
+// embedding's lookup without unpacking the table). A row outside [0, N) is a clear error.
+torch::Tensor packed_rows(const torch::Tensor& P, const torch::Tensor& scales,
+                          const torch::Tensor& idx, int64_t K);
 
 void bind(pybind11::module& m);
 

@@ -151,6 +151,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<py::tuple>&>())
       .def("decode_", &Mamba2Stack::decode_, "one token through every layer, states in place");
   m.def("zeros_hugepage", &zeros_hugepage, "zeros on 2 MiB-aligned, huge-page-advised memory");
+  m.def("gated_mlp", &mcserve_lowp::gated_mlp,
+        "down(act(gate x) * up x) for packed int8 / bfloat16 weights, rows in chunks");
   m.def("moe_experts", &mcserve_lowp::moe_experts,
         "a MoE layer's routed experts (packed int8 / bfloat16) on its tokens, weighted and summed");
   mcserve_lowp::bind(m);

@@ -2,6 +2,7 @@
 // (B, n, H, K, V) float32 rounded to bfloat16 and interleaved in pairs in one pass, either two
 // checkpoints per 32-bit word (ckpt_pairs_bf16_, for readout_bf16_amx_) or two keys per word
 // (key_pairs_bf16_, for readout_picks_bf16_amx). Plain vector code (vmath.h): no AMX needed.
+// Also the way back for a packed weight's rows (packed_rows: a token embedding's lookup).
 #include "lowp.h"
 #include "vmath.h"
 
@@ -117,6 +118,46 @@ torch::Tensor ckpt_pairs_bf16_(torch::Tensor dst, const torch::Tensor& src, int6
     }
   });
   return dst;
+}
+
+torch::Tensor packed_rows(const torch::Tensor& P, const torch::Tensor& scales,
+                          const torch::Tensor& idx, int64_t K) {
+  const bool is_int8 = P.scalar_type() == torch::kChar;
+  TORCH_CHECK(is_int8 || P.scalar_type() == torch::kBFloat16,
+              "packed_rows: an int8 or bfloat16 packed weight expected, got ", P.scalar_type());
+  check_packed(P, scales, K, P.scalar_type(), "packed_rows");
+  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == torch::kInt64 && idx.dim() == 1,
+              "packed_rows: idx must be a 1-D int64 CPU tensor");
+  const int64_t N = scales.numel(), KP = P.size(1), T = idx.size(0);
+  auto ix = idx.contiguous();
+  const int64_t* ip = ix.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "packed_rows: row ", ip[t], " outside [0, ", N, ")");
+  auto out = torch::empty({T, K}, scales.options());
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto* i8 = static_cast<const int8_t*>(P.data_ptr());
+  const auto* b16 = static_cast<const uint16_t*>(P.data_ptr());
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = ip[t];
+      const int64_t base = ((n / 16) * KP * 16 + n % 16) * 2;  // pair p at base + 32p
+      const float s = sp[n];
+      float* o = op + t * K;
+      for (int64_t c = 0; c < K; ++c) {
+        const int64_t at = base + (c / 2) * 32 + c % 2;
+        float v;
+        if (is_int8) {
+          v = static_cast<float>(i8[at]);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(b16[at]) << 16;
+          std::memcpy(&v, &bits, sizeof v);
+        }
+        o[c] = v * s;
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace mcserve_lowp

@@ -318,16 +318,24 @@ struct LaterTopK {
       floor = -kNegInf;
       for (int64_t g = 0; g < k; ++g) {
         const int64_t a = g * n / k, e = (g + 1) * n / k;
-        float top = kNegInf;
-#pragma omp simd reduction(max : top)
-        for (int64_t j = a; j < e; ++j) top = std::max(top, x[j]);
-        floor = std::min(floor, top);
+        floor = std::min(floor, max_of(x + a, e - a));
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const float y = x[j];
-      if (y < floor || (m == k && !(y >= v[k - 1]))) continue;
-      insert(y, j);
+    for (int64_t j = 0; j < n;) {
+      // once k are kept, a run of 16 whose largest is below the floor and the k-th best holds
+      // nothing to keep (max_of leaves NaNs out, and once k are kept no NaN is kept)
+      if (m == k && j + 16 <= n) {
+        if (max_of(x + j, 16) < std::max(floor, v[k - 1])) {
+          j += 16;
+          continue;
+        }
+      }
+      const int64_t e = std::min(n, j + 16);
+      for (; j < e; ++j) {
+        const float y = x[j];
+        if (y < floor || (m == k && !(y >= v[k - 1]))) continue;
+        insert(y, j);
+      }
     }
     // of the -inf ones only the last k can rank among the k best (later ranks first)
     for (int64_t j = std::max(n, N - k); j < N; ++j)

@@ -45,8 +45,24 @@ def linear_bf16(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None =
     return F.linear(x, w.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
 
 
-#: ``moe_experts``' activations by code
-MOE_ACTS = {0: F.silu, 1: lambda h: torch.square(F.relu(h)), 2: F.relu}
+def packed_rows(P: Tensor, scales: Tensor, idx: Tensor, K: int) -> Tensor:
+    """Rows ``idx (T,)`` of a packed int8 / bfloat16 weight (``pack_pairs``' layout) as float32
+    times their scales → ``(T, K)``, reading only those rows."""
+    r = P[idx // 16, :, idx % 16, :].reshape(idx.numel(), -1)[:, :K]
+    return r.float() * scales[idx][:, None]
+
+
+#: ``gated_mlp``'s and ``moe_experts``' activations by code
+MLP_ACTS = {0: F.silu, 1: lambda h: torch.square(F.relu(h)), 2: F.relu}
+
+
+def gated_mlp(x: Tensor, gate: Tensor, s_gate: Tensor, up: Tensor, s_up: Tensor, down: Tensor,
+              s_down: Tensor, act: int = 0) -> Tensor:
+    """``down(act(gate x) · up x)`` for x ``(..., D)`` float32 and int8 or bfloat16 weights in
+    ``pack_pairs``' layout with their scales: gate and up ``(⌈I/16⌉, ⌈D/2⌉, 16, 2)`` with ``(I,)``,
+    down ``(⌈D/16⌉, ⌈I/2⌉, 16, 2)`` with ``(D,)``; ``act``: 0 silu, 1 relu², 2 relu."""
+    lin = linear_q8 if gate.dtype == torch.int8 else linear_bf16
+    return lin(MLP_ACTS[act](lin(x, gate, s_gate)) * lin(x, up, s_up), down, s_down)
 
 
 def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor | None,
@@ -63,7 +79,7 @@ def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_in: Tensor, s_in: Tensor | 
     f32 = w_in.dtype == torch.float32
     N1 = w_in.shape[1] if f32 else s_in.shape[1]
     inter = N1 // 2 if gated else N1
-    f = MOE_ACTS[act]
+    f = MLP_ACTS[act]
     out = torch.zeros(T, D)
     flat = idx.reshape(-1)
     for e in range(w_in.shape[0]):
@@ -98,14 +114,17 @@ def key_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:
     return dst
 
 
-def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+def readout_picks_bf16(S: Tensor, q: Tensor, idx: Tensor, w: Tensor,
+                       out: Tensor | None = None) -> Tensor:
     """y ``(B, L, H, V)`` = Σ_j bf16(w[..., j]·q)ᵀ S[idx[..., j]] with float32 sums: S
-    ``(B, H, N, K/2, V, 2)`` bfloat16 in ``key_pairs_bf16_``' layout."""
+    ``(B, H, N, K/2, V, 2)`` bfloat16 in ``key_pairs_bf16_``' layout; added to ``out`` in place
+    when given."""
     B, H, N, K2, V, _ = S.shape
     plain = S.transpose(-1, -2).reshape(B, H, N, 2 * K2, V).transpose(1, 2).float()
     X = (w[..., None] * q[..., None, :]).to(torch.bfloat16).float()  # (B, L, H, k, K)
     picked = plain[torch.arange(B)[:, None, None, None], idx, torch.arange(H)[None, None, :, None]]
-    return torch.einsum("blhjk,blhjkv->blhv", X, picked)  # picked (B, L, H, k, K, V)
+    y = torch.einsum("blhjk,blhjkv->blhv", X, picked)  # picked (B, L, H, k, K, V)
+    return y if out is None else out.add_(y)
 
 
 def ckpt_pairs_bf16_(dst: Tensor, src: Tensor, offset: int) -> Tensor:

@@ -1,4 +1,4 @@
-// Vector math of the CPU kernels: e^x and SiLU over 16 floats in GCC vector types, so a pass
+// Vector math of the CPU kernels: e^x, SiLU and the MLP activations over 16 floats in GCC vector types, so a pass
 // over a row takes the vector registers of whatever -march the build targets (no intrinsics, no
 // CPU feature assumed) instead of calling the scalar expf per element.
 #pragma once
@@ -70,7 +70,55 @@ inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+// per lane acc < x ? x : acc, std::max(acc, x)'s choice: a NaN x leaves acc
+inline v16f vmax_keep(v16f acc, v16f x) { return acc < x ? x : acc; }
+
+// the largest of 16 lanes (none NaN), by halving
+inline float hmax16(v16f v) {
+#if defined(__clang__)
+  v = vmax_keep(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5,
+                                           6, 7));
+  v = vmax_keep(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9,
+                                           10, 11));
+  v = vmax_keep(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
+                                           12, 13));
+  v = vmax_keep(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12,
+                                           15, 14));
+#else
+  v = vmax_keep(v, __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
+                                             7}));
+  v = vmax_keep(v, __builtin_shuffle(v, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,
+                                             11}));
+  v = vmax_keep(v, __builtin_shuffle(v, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,
+                                             13}));
+  v = vmax_keep(v, __builtin_shuffle(v, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
+                                             14}));
+#endif
+  return v[0];
+}
+
+// the largest of x[0:n) as a scalar loop of std::max(top, x[i]) from -inf gives it: NaNs left
+// out, -inf for n = 0 (max is order-free without NaNs)
+inline float max_of(const float* x, int64_t n) {
+  v16f acc = splat16(-__builtin_inff());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = vmax_keep(acc, load16(x + i));
+  float top = hmax16(acc);
+  for (; i < n; ++i) top = top < x[i] ? x[i] : top;
+  return top;
+}
+
 // x·sigmoid(x) = x / (1 + e^-x)
 inline v16f vsilu(v16f x) { return x / (1.f + vexp(-x)); }
+
+// an MLP's activation: 0 SiLU, 1 relu², 2 relu
+inline v16f vact(v16f x, int act) {
+  if (act == 1) {
+    const v16f r = x > 0.f ? x : v16f{};
+    return r * r;
+  }
+  if (act == 2) return x > 0.f ? x : v16f{};
+  return vsilu(x);
+}
 
 }  // namespace mcserve_ops

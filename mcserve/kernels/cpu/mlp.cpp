@@ -1,16 +1,28 @@
-// The routed experts of a sparse MoE layer on the CPU in one call (lowp.h, moe_experts).
+// The MLPs of the CPU models in one call (lowp.h): a dense gated MLP (gated_mlp) and the routed
+// experts of a sparse MoE layer (moe_experts).
 //
-// At one token a MoE layer runs top_k experts of two small products each (Granite-4.0-H: 6
-// experts, 512 × 1536 and 768 × 512 weights): the products take about 18 us together, the Python
-// around each expert (slicing, the wrappers' checks, a tensor per result, the activation) more
-// than twice that. Here the routing's pairs are grouped by expert with a counting sort, each
-// expert's rows gathered, multiplied (lowp.cpp's kernels, one parallel region per product), the
-// activation applied and the weighted rows added into the output in (expert, pair) order, the
-// order of models/moe.py's loop (its index_add over the pairs sorted by expert). float32 experts
-// (the stacked parameters themselves) take gemv.cpp's product for an expert's one or two rows and
-// ATen's linear beyond, as that loop did.
+// gated_mlp: a prefill's SwiGLU through separate ops writes the (T, 2I) gate/up projection, reads
+// it for the activation and writes (T, I) again, all in memory at thousands of rows (at 8192 rows
+// and I = 688 the projection alone is 45 MB, past glibc's mmap threshold, so each call also
+// faults its pages in afresh). Here rows go through in chunks, each chunk's gate and up sums,
+// activation and down projection in one thread's caches; on AMX tiles the activation is applied
+// as the sums leave the tiles (amx.cpp: amx_bf16_gated). A row's result does not depend on the
+// chunking or the other rows (each product is lowp.cpp's, row-invariant).
+//
+// moe_experts: at one token a MoE layer runs top_k experts of two small products each
+// (Granite-4.0-H: 6 experts, 512 × 1536 and 768 × 512 weights): the products take about 18 us
+// together, the Python around each expert (slicing, the wrappers' checks, a tensor per result,
+// the activation) more than twice that. Here the routing's pairs are grouped by expert with a
+// counting sort, each expert's rows gathered, multiplied (lowp.cpp's kernels, one parallel region
+// per product), the activation applied and the weighted rows added into the output in (expert,
+// pair) order, the order of models/moe.py's loop (its index_add over the pairs sorted by expert).
+// float32 experts (the stacked parameters themselves) take gemv.cpp's product for an expert's one
+// or two rows and ATen's linear beyond, as that loop did.
 #include "lowp.h"
 #include "ops.h"
+#include "vmath.h"
+
+#include <ATen/Parallel.h>
 
 #include <ATen/ATen.h>
 
@@ -59,7 +71,84 @@ void check_stacked(const torch::Tensor& P, const torch::Tensor& s, int64_t E, in
               s.sizes());
 }
 
+// o[0:n] = act(g) · u, 16 at a time (vmath.h vact, the tail through a padded copy)
+void act_mul(const float* g, const float* u, float* o, int64_t n, int act) {
+  using mcserve_ops::load16;
+  using mcserve_ops::store16;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(o + i, mcserve_ops::vact(load16(g + i), act) * load16(u + i));
+  if (i < n) {
+    alignas(64) float gt[16] = {}, ut[16] = {}, ot[16];
+    std::memcpy(gt, g + i, sizeof(float) * (n - i));
+    std::memcpy(ut, u + i, sizeof(float) * (n - i));
+    store16(ot, mcserve_ops::vact(load16(gt), act) * load16(ut));
+    std::memcpy(o + i, ot, sizeof(float) * (n - i));
+  }
+}
+
 }  // namespace
+
+torch::Tensor gated_mlp(const torch::Tensor& x, const torch::Tensor& gate,
+                        const torch::Tensor& s_gate, const torch::Tensor& up,
+                        const torch::Tensor& s_up, const torch::Tensor& down,
+                        const torch::Tensor& s_down, int64_t act) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2
+                  && x.is_contiguous(), "gated_mlp: x must be contiguous float32 (T, D)");
+  TORCH_CHECK(act >= 0 && act <= 2, "gated_mlp: act must be 0 (silu), 1 (relu2) or 2 (relu)");
+  const auto t = gate.scalar_type();
+  TORCH_CHECK(t == torch::kChar || t == torch::kBFloat16,
+              "gated_mlp: packed int8 or bfloat16 weights expected, got ", t);
+  const int64_t T = x.size(0), D = x.size(1), I = s_gate.numel();
+  check_packed(gate, s_gate, D, t, "gated_mlp (gate)");
+  TORCH_CHECK(s_up.numel() == I, "gated_mlp: gate and up must have the same outputs");
+  check_packed(up, s_up, D, t, "gated_mlp (up)");
+  TORCH_CHECK(s_down.numel() == D, "gated_mlp: down must have D = ", D, " outputs");
+  check_packed(down, s_down, I, t, "gated_mlp (down)");
+  auto out = torch::empty({T, D}, x.options());
+  if (T == 0) return out;
+  const bool is_int8 = t == torch::kChar;
+  const bool amx = !is_int8 && bf16_level() >= 4 && I > 0;
+  const int64_t KP = gate.size(1), KPd = down.size(1), Kx = (2 * KP + 31) / 32 * 32;
+  // rows per chunk: the chunk's (rows, I) sums about 256 KiB, whole tiles of 32 rows
+  const int64_t R = std::clamp<int64_t>((256 << 10) / (4 * std::max<int64_t>(1, I)) / 32 * 32,
+                                        32, 256);
+  const int64_t chunks = (T + R - 1) / R;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const void *gp = gate.data_ptr(), *upp = up.data_ptr(), *dp = down.data_ptr();
+  const float *sg = s_gate.data_ptr<float>(), *su = s_up.data_ptr<float>(),
+              *sd = s_down.data_ptr<float>();
+  auto run = [&](int64_t c0, int64_t c1) {
+    std::vector<float> h(static_cast<size_t>(R * I)), hu(amx ? 0 : static_cast<size_t>(R * I));
+    std::vector<uint16_t> xb(amx ? static_cast<size_t>(R * Kx) : 0);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r0 = c * R, rows = std::min(R, T - r0);
+      if (amx) {  // x rounded to bfloat16, rows zero-padded to Kx and to whole tiles of 16
+        const int64_t padded = (rows + 15) / 16 * 16;
+        for (int64_t r = 0; r < padded; ++r) {
+          uint16_t* dst = xb.data() + r * Kx;
+          const int64_t done = r < rows ? D : 0;
+          if (r < rows) mcserve_ops::to_bf16(xp + (r0 + r) * D, dst, D);
+          std::memset(dst + done, 0, sizeof(uint16_t) * (Kx - done));
+        }
+        amx_bf16_gated(static_cast<const uint16_t*>(gp), static_cast<const uint16_t*>(upp), I,
+                       KP, xb.data(), Kx, rows, sg, su, static_cast<int>(act), h.data());
+      } else {
+        lowp_rows(is_int8, gp, I, KP, xp + r0 * D, rows, D, sg, h.data());
+        lowp_rows(is_int8, upp, I, KP, xp + r0 * D, rows, D, su, hu.data());
+        act_mul(h.data(), hu.data(), h.data(), rows * I, static_cast<int>(act));
+      }
+      lowp_rows(is_int8, dp, D, KPd, h.data(), rows, I, sd, op + r0 * D);
+    }
+  };
+  // enough chunks: one thread per chunk, everything in its caches; else the products parallel
+  if (chunks >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, chunks, 1, run);
+  } else {
+    run(0, chunks);
+  }
+  return out;
+}
 
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& w,
                           const torch::Tensor& w_in, const c10::optional<torch::Tensor>& s_in,
