@@ -451,3 +451,29 @@ def test_packed_rows_match_twin_and_the_dequantized_weight(kind):
     assert cpu.packed_rows(P, scales, idx[:0], 77).shape == (0, 77)
     with pytest.raises(RuntimeError, match="outside"):
         cpu.ops().packed_rows(P, scales, torch.tensor([37]), 77)
+
+
+@needs_ops
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_kernels_split_many_rows_over_threads_without_changing_a_row(kind):
+    """700 rows of a 1000-output product go through in chunks of rows, one thread each: every
+    row the bits it has alone or under one thread, and the twin's values."""
+    w, q, s = quantized(1000, 77, 13)
+    wb = twins.pack_pairs(w.bfloat16())
+    x = torch.randn(700, 77, generator=torch.Generator().manual_seed(14))
+    b = torch.randn(1000, generator=torch.Generator().manual_seed(15))
+    op = ((lambda xs, i: cpu.ops().q8_linear(xs, q, s, b, i)) if kind == "int8"
+          else (lambda xs, i: cpu.ops().bf16_linear(xs, wb, s, b, i)))
+    want = (twins.linear_q8(x, q, s, b) if kind == "int8"
+            else twins.linear_bf16(x, wb, s, b))
+    for impl in levels(kind):
+        full = op(x, impl)
+        assert rel(full, want) < (1e-2 if kind == "bf16" and impl >= 3 else 1e-3), impl
+        for a, e in ((0, 1), (63, 65), (200, 456), (699, 700)):
+            assert torch.equal(op(x[a:e], impl), full[a:e]), (impl, a, e)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(op(x, impl), full), impl
+        finally:
+            torch.set_num_threads(threads)

@@ -634,6 +634,22 @@ const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   return bias->data_ptr<float>();
 }
 
+// y rows [r0, r0 + rows) from x rows [r0, r0 + rows) by fn(r0, rows): at many rows in chunks
+// of 32-256 (the chunk's output about 256 KiB), one thread per chunk, so each thread rounds,
+// multiplies and writes its own rows in its caches with the weights in L2 (the products' own
+// split of a call's blocks over the threads has every thread read every row); a row's result is
+// the same either way
+template <class F>
+void by_row_chunks(int64_t B, int64_t N, F fn) {
+  const int64_t R = std::clamp<int64_t>((256 << 10) / (4 * std::max<int64_t>(1, N)) / 32 * 32,
+                                        32, 256);
+  const int64_t chunks = (B + R - 1) / R;
+  if (chunks < 2 * at::get_num_threads() || at::in_parallel_region()) return fn(0, B);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) fn(c * R, std::min(R, B - c * R));
+  });
+}
+
 int pick(int64_t impl, int best, const char* what) {
   if (impl < 0) return best;
   TORCH_CHECK(impl <= best, what, ": implementation ", impl, " is not available on this CPU "
@@ -678,8 +694,12 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
   const int lvl = pick(impl, q8_best(), "q8_linear");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
-  q8_raw(x.data_ptr<float>(), B, K, qweight.data_ptr<int8_t>(), N, qweight.size(1),
-         scales.data_ptr<float>(), bp, y.data_ptr<float>(), lvl);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  by_row_chunks(B, N, [&](int64_t r0, int64_t rows) {
+    q8_raw(xp + r0 * K, rows, K, qweight.data_ptr<int8_t>(), N, qweight.size(1),
+           scales.data_ptr<float>(), bp, yp + r0 * N, lvl);
+  });
   return y;
 }
 
@@ -694,8 +714,12 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
   const int lvl = pick(impl, bf_best(), "bf16_linear");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
-  bf_raw(x.data_ptr<float>(), B, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), N,
-         weight.size(1), scales.data_ptr<float>(), bp, y.data_ptr<float>(), lvl);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  by_row_chunks(B, N, [&](int64_t r0, int64_t rows) {
+    bf_raw(xp + r0 * K, rows, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), N,
+           weight.size(1), scales.data_ptr<float>(), bp, yp + r0 * N, lvl);
+  });
   return y;
 }
 
