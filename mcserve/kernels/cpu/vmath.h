@@ -73,39 +73,27 @@ inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // per lane acc < x ? x : acc, std::max(acc, x)'s choice: a NaN x leaves acc
 inline v16f vmax_keep(v16f acc, v16f x) { return acc < x ? x : acc; }
 
-// the largest of 16 lanes (none NaN), by halving
-inline float hmax16(v16f v) {
+// lanes i and i ^ h of v swapped (h = 8, 4, 2, 1): one step of a reduction by halving
+template <int h>
+inline v16f vswap(v16f v) {
 #if defined(__clang__)
-  v = vmax_keep(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5,
-                                           6, 7));
-  v = vmax_keep(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9,
-                                           10, 11));
-  v = vmax_keep(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
-                                           12, 13));
-  v = vmax_keep(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12,
-                                           15, 14));
+  return __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h,
+                                 8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h);
 #else
-  v = vmax_keep(v, __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
-                                             7}));
-  v = vmax_keep(v, __builtin_shuffle(v, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,
-                                             11}));
-  v = vmax_keep(v, __builtin_shuffle(v, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,
-                                             13}));
-  v = vmax_keep(v, __builtin_shuffle(v, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
-                                             14}));
+  return __builtin_shuffle(v, v16i{0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, 8 ^ h,
+                                   9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h});
 #endif
-  return v[0];
 }
 
-// the largest of x[0:n) as a scalar loop of std::max(top, x[i]) from -inf gives it: NaNs left
-// out, -inf for n = 0 (max is order-free without NaNs)
-inline float max_of(const float* x, int64_t n) {
-  v16f acc = splat16(-__builtin_inff());
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = vmax_keep(acc, load16(x + i));
-  float top = hmax16(acc);
-  for (; i < n; ++i) top = top < x[i] ? x[i] : top;
-  return top;
+// a lane mask (each lane 0 or -1) as 16 bits, lane i at bit i
+inline unsigned lane_bits(v16i m) {
+  const v16i bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+  v16f b = (v16f)(m & bit);
+  b = (v16f)((v16i)b | (v16i)vswap<8>(b));
+  b = (v16f)((v16i)b | (v16i)vswap<4>(b));
+  b = (v16f)((v16i)b | (v16i)vswap<2>(b));
+  b = (v16f)((v16i)b | (v16i)vswap<1>(b));
+  return static_cast<unsigned>(((v16i)b)[0]);
 }
 
 // x·sigmoid(x) = x / (1 + e^-x)
