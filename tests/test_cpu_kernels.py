@@ -494,10 +494,13 @@ def test_topk_later_matches_twin(R, N):
     # the one-pass selection against the stable sort: same indices in the same order (largest
     # first, the later index first among equal values), with many ties and -inf entries
     g = torch.Generator().manual_seed(R * N)
-    for scale in (0.0, 1.0):  # integer scores (ties everywhere), then distinct ones
-        r = torch.randint(0, 5, (R, N), generator=g).float() + scale * torch.rand(R, N, generator=g)
+    # integer scores (ties everywhere), then distinct ones, then normal ones (most entries below
+    # the kernel's floor, k <= 16, and none past it for k > 16)
+    for scale in (0.0, 1.0, None):
+        r = (torch.randn(R, N, generator=g) if scale is None else torch.randint(
+            0, 5, (R, N), generator=g).float() + scale * torch.rand(R, N, generator=g))
         r[: R // 2, N // 2:] = float("-inf")
-        for k in sorted({1, min(3, N), min(8, N), N}):
+        for k in sorted({1, min(3, N), min(8, N), min(16, N), min(17, N), N}):
             got = cpu.ops().topk_later(r, k)
             assert torch.equal(got, twins.topk_later(r, k)), (k, scale)
             assert torch.equal(cpu.topk_later(r, k), got)
