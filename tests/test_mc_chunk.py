@@ -89,8 +89,10 @@ def test_chunk_equals_reference_whole_and_split(monkeypatch, variant, mode):
                                             ("post", 4)])
 def test_chunk_equals_naive_twin_from_a_carried_state(monkeypatch, variant, sparse):
     """Random carried state (online fill, key sums, cached checkpoints): fast == naive twin,
-    float32, all four outputs; ssc through the gathered picks and through the dense readout."""
+    float32, all four outputs; ssc through the gathered picks (their scores in tiles of 8 tokens,
+    the last partial) and through the dense readout."""
     monkeypatch.setattr(mc_chunk, "SPARSE_FACTOR", sparse)
+    monkeypatch.setattr(mc_chunk, "_SCORE_TILE", 8)
     gen = torch.Generator().manual_seed(7)
     B, T, H, K, V, C = 3, 37, 2, 8, 6, 16
     q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)
@@ -215,6 +217,7 @@ def test_chunk_bf16_readout_matches_naive_twin(monkeypatch, variant, top_k, K, V
     for tile, block in (("_TOKEN_TILE", "_X_BLOCK"), ("_AMX_TOKEN_TILE", "_AMX_X_BLOCK")):
         monkeypatch.setattr(mc_chunk, tile, 16)  # the tile sizes with and without AMX
         monkeypatch.setattr(mc_chunk, block, 3)
+    monkeypatch.setattr(mc_chunk, "_SCORE_TILE", 16)  # ssc's picks: four tiles of scores
     gen = torch.Generator().manual_seed(11)
     B, T, H, C = 2, 61, 3, 4
     q, k, v, u, log_a, b = _inputs(B, T, H, K, V, gen, torch.float32)

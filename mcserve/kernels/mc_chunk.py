@@ -44,6 +44,7 @@ _X_BLOCK = 16
 # GEMM gains from larger products (the readout's own AMX pass takes K and V it cannot)
 _AMX_TOKEN_TILE, _AMX_X_BLOCK = 512, 32
 _READ_BLOCK = 32  # checkpoints per GEMM of the read-then-weight form
+_SCORE_TILE = 2048  # tokens per scores product of the CPU's ssc picks
 # on a GPU the small CPU tiles make thousands of launches per chunk that each run for
 # microseconds: tiles there are as large as a temporary of this many bytes allows
 _GPU_TILE_BYTES = 256 * 2**20
@@ -333,19 +334,28 @@ def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
     sparse = sum(s.shape[1] for s in S) >= SPARSE_FACTOR * top_k and not (
         torch.is_grad_enabled() and q.requires_grad)
     if sparse and q.is_cpu:
-        # the scores unmasked, head-major (B, H, L, N), then one C++ pass per row: the visible
-        # picks and their softmax with the online score; no masked or gathered copies
+        # per tile of tokens the scores unmasked, head-major (B, H, T, N), then one C++ pass per
+        # row: the visible picks and their softmax with the online score; no masked or gathered
+        # copies. Tiles keep the scores a few MiB (at 8K tokens and 256 checkpoints the whole
+        # span's are 32 MiB, which glibc maps and faults in afresh on every call)
         B, L, H, K = q.shape
         N = ksum.shape[1]
-        r = torch.matmul((u * (1.0 / (segment_len * math.sqrt(K)))).transpose(1, 2),
-                         ksum.permute(0, 2, 3, 1))
+        kT = ksum.permute(0, 2, 3, 1)  # (B, H, K, N)
         seen = (torch.arange(L, device=q.device) // segment_len + n_carried).clamp_(max=N)
-        idx, w, w_on = cpu_ops.select_softmax(
-            r.view(-1, N), seen.expand(B, H, L).reshape(-1), r_on.transpose(1, 2).reshape(-1),
-            top_k)
-        y = o * w_on.view(B, H, L, 1).transpose(1, 2)
-        idx = idx.view(B, H, L, top_k).transpose(1, 2)
-        w = w.view(B, H, L, top_k).transpose(1, 2)
+        uh = u * (1.0 / (segment_len * math.sqrt(K)))
+        picks = []
+        for t0 in range(0, L, _SCORE_TILE):
+            t1 = min(L, t0 + _SCORE_TILE)
+            r = torch.matmul(uh[:, t0:t1].transpose(1, 2), kT)  # (B, H, T, N)
+            got = cpu_ops.select_softmax(
+                r.view(-1, N), seen[t0:t1].expand(B, H, t1 - t0).reshape(-1),
+                r_on[:, t0:t1].transpose(1, 2).reshape(-1), top_k)
+            picks.append([x.view(B, H, t1 - t0, -1) for x in got])
+        idx, w, w_on = (torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+                        for parts in zip(*picks))  # (B, H, L, top_k | 1)
+        y = o * w_on.transpose(1, 2)
+        idx = idx.transpose(1, 2)
+        w = w.transpose(1, 2)
         V = o.shape[-1]
         if (dtype == torch.bfloat16 and dtype != q.dtype and K % 32 == 0
                 and cpu_ops.readout_bf16_fused(K, V)):
