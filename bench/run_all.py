@@ -8,7 +8,8 @@
 Scripts, in order: ``mc_layer.py`` (one MC layer vs the number of cached segments),
 ``offline.py`` (batched ``LLM.generate``), ``serving.py`` (HTTP server, when present),
 ``multi_turn.py`` (multi-turn chat over HTTP, state reuse on and off),
-``long_context.py`` (decode vs a KV-cache Transformer up to 32K), ``roofline.py`` (machine
+``long_context.py`` (decode vs a KV-cache Transformer up to 32K), ``prefill_ratio.py`` (a long
+prompt's prefill of the MC models against the Transformer's, round-robin), ``roofline.py`` (machine
 limits and the decode step against them), ``cpu_kernels.py`` (the C++ decode kernels),
 ``structured.py`` (decode with a JSON-schema constraint against without), ``attention.py``
 (hybrids' paged decode attention, in place against gathered). The
@@ -51,8 +52,9 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
-SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context", "roofline",
-           "cpu_kernels", "structured", "attention", "moe", "weight_memory"]
+SCRIPTS = ["mc_layer", "prefill", "offline", "serving", "multi_turn", "long_context",
+           "prefill_ratio", "roofline", "cpu_kernels", "structured", "attention", "moe",
+           "weight_memory"]
 # helpers, and the CUDA-only scripts (kernels.py, gpu.py)
 NOT_BENCHMARKS = {"common", "run_all", "baselines", "llama_cpp_baseline",
                   "multi_turn_backends", "kernels", "gpu", "gpu_runs", "gpu_sections",
