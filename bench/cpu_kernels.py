@@ -20,6 +20,12 @@ Two measurements, each against its baseline in the same run (samples interleaved
   ``kernels.cpu.moe_experts``) and through the per-expert Python loop (``impl="loop"``: the C++
   GEMV for an expert's one or two float32 rows, ``F.linear`` beyond, or the copies' kernels);
   and ``F.linear`` for every expert (the twins);
+* **a prefill's products** (``--prefill`` alone): the default model's projections (qkv, u, g,
+  o) and its SwiGLU at 8192 rows with bfloat16 weights, as the engine runs them
+  (``kernels.cpu.linear_bf16``, ``kernels.cpu.gated_mlp``) against oneDNN's packed bfloat16
+  product (bfloat16 in and out, so fewer bytes than the engine's float32 activations) and, for
+  the SwiGLU, the three products with ``silu_mul`` between; and the bfloat16 token embedding's
+  lookup of those rows (``packed_rows`` against its torch twin);
 * **the MC block readout** (``readout_paged``: Σ_n w_n · S_nᵀ q over 512 cached 64 × 64 states
   per head, 4 heads, 4 layers, as ``grm`` at 32K context), with the pools on ordinary 4 KiB pages
   (``torch.zeros``) and on transparent huge pages (``kernels.cpu.zeros``).
@@ -27,6 +33,7 @@ Two measurements, each against its baseline in the same run (samples interleaved
     python bench/cpu_kernels.py --threads 1     # about two minutes
     python bench/cpu_kernels.py --threads 1 --lowp   # the weight precisions only
     python bench/cpu_kernels.py --threads 2 --moe    # the MoE experts only: cpu_kernels_moe.json
+    python bench/cpu_kernels.py --threads 2 --prefill  # a prefill's products: *_prefill.json
     python bench/cpu_kernels.py --quick         # CI smoke (seconds)
 
 Prints tables and writes ``bench/results/cpu_kernels.json`` (``--quick``:
@@ -120,6 +127,47 @@ def bench_lowp(shapes: list[tuple[int, int]], rows: int, repeats: int) -> dict:
             "results": {k: dict(v) for k, v in t.items()}}
 
 
+def bench_prefill(rows: int, repeats: int) -> dict:
+    """The default model's bfloat16 projections, SwiGLU and embedding lookup at ``rows``."""
+    from mcserve.kernels.cpu import twins
+    from mcserve.kernels.cpu.twins import pack_pairs
+
+    g = torch.Generator().manual_seed(0)
+    D, hidden, vocab = 256, 688, 4096
+    proj = [torch.randn(o, D, generator=g).bfloat16() for o in (768, 256, 256, 256)]
+    packed = [(pack_pairs(w), torch.ones(w.shape[0])) for w in proj]
+    up = torch.randn(2 * hidden, D, generator=g).bfloat16()
+    down = torch.randn(D, hidden, generator=g).bfloat16()
+    (pu, su), (pd, sd) = (pack_pairs(up), torch.ones(2 * hidden)), (pack_pairs(down), torch.ones(D))
+    nb = hidden // 16
+    emb = (pack_pairs(torch.randn(vocab, D, generator=g).bfloat16()), torch.ones(vocab))
+    x = torch.randn(rows, D, generator=g)
+    ids = torch.randint(0, vocab, (rows,), generator=g)
+    fns = {
+        "projections: C++ bf16_linear (engine)":
+            lambda: [cpu.linear_bf16(x, p, s) for p, s in packed],
+        "SwiGLU: C++ gated_mlp (engine)":
+            lambda: cpu.gated_mlp(x, pu[:nb], su[:hidden], pu[nb:], su[hidden:], pd, sd),
+        "SwiGLU: bf16_linear + silu_mul + bf16_linear":
+            lambda: cpu.linear_bf16(cpu.silu_mul(*cpu.linear_bf16(x, pu, su).chunk(2, -1)),
+                                    pd, sd),
+        "embedding: C++ packed_rows (engine)": lambda: cpu.packed_rows(*emb, ids, D),
+        "embedding: twins.packed_rows": lambda: twins.packed_rows(*emb, ids, D),
+    }
+    if packed_linear.available() and packed_linear.bf16_packing_supported():
+        xb = x.bfloat16()
+        pp = [packed_linear.pack_weight(w, rows) for w in proj]
+        pup, pdn = packed_linear.pack_weight(up, rows), packed_linear.pack_weight(down, rows)
+        fns["projections: oneDNN packed (bf16 in/out)"] = lambda: [
+            packed_linear.packed_linear(xb, p, None) for p in pp]
+        fns["SwiGLU: oneDNN packed (bf16 in/out) + silu*up"] = lambda: (
+            packed_linear.packed_linear(
+                (lambda h: torch.nn.functional.silu(h[:, :hidden]) * h[:, hidden:])(
+                    packed_linear.packed_linear(xb, pup, None)), pdn, None))
+    t = timeit_many(fns, repeats=repeats, warmup=1, min_sample_s=0.02)
+    return {"rows": rows, "results": {k: dict(v) for k, v in t.items()}}
+
+
 MOE_SHAPE = dict(d_model=1536, n_experts=64, top_k=6, intermediate=512)
 MOE_QUICK = dict(d_model=256, n_experts=8, top_k=2, intermediate=128)
 
@@ -205,6 +253,8 @@ def main() -> int:
                     help="only the weight precisions (int8, bfloat16 against float32)")
     ap.add_argument("--moe", action="store_true",
                     help="only the MoE layer's experts (float32, int8, bfloat16)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only a prefill's products (8192 rows of the default model, bfloat16)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     threads = set_threads(args.threads)
@@ -214,6 +264,21 @@ def main() -> int:
     env = env_info()
     print(env_line(env))
     repeats = 3 if args.quick else args.repeats
+    pre = None
+    if args.prefill or not (args.lowp or args.moe):
+        pre = bench_prefill(512 if args.quick else 8192, repeats)
+        print_table([[k, fmt_time(v["median"])] for k, v in pre["results"].items()],
+                    ["default model, bfloat16 weights", "median"],
+                    title=f"\na prefill's products at {pre['rows']} rows ({threads} threads)")
+    if args.prefill:
+        from common import write_json
+
+        out = {"bench": "cpu_kernels_prefill", "env": env, "threads": threads,
+               "quick": args.quick, "lowp_info": cpu.lowp_info(), "prefill": pre}
+        paths = write_json(out, "tmp_cpu_kernels_prefill_quick.json" if args.quick
+                           else "cpu_kernels_prefill.json", extra=args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return 0
     if args.moe:
         from common import write_json
 
@@ -276,7 +341,8 @@ def main() -> int:
     from common import write_json
 
     out = {"bench": "cpu_kernels", "env": env, "threads": threads, "quick": args.quick,
-           "gemv": gemv, "readout": ro, "lowp_info": info, "lowp": lowp, "moe": moe}
+           "gemv": gemv, "readout": ro, "lowp_info": info, "lowp": lowp, "moe": moe,
+           "prefill": pre}
     paths = write_json(out, "tmp_cpu_kernels_quick.json" if args.quick else "cpu_kernels.json",
                        extra=args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
