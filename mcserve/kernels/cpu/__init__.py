@@ -5,8 +5,8 @@ a non-x86 build, ``MCSERVE_CPU_KERNELS=0``); the reason is in ``status()``. The 
 the ``.cpp`` and ``.h`` files beside this file (``_SOURCES``, ``_HEADERS``);
 ``torch.utils.cpp_extension.load`` compiles them once per machine (1–2 minutes on 2 cores)
 into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
-under a name that holds the CPU kind and the sources' hash, and reuses it while the sources are
-unchanged. The build runs under an ``flock`` that a killed build cannot leave held
+under a name that holds the CPU kind and a hash of the sources and their directory, and reuses
+it while the sources are unchanged. The build runs under an ``flock`` that a killed build cannot leave held
 (``_build_lock``). It targets this CPU (``-march=native``) unless ``$MCSERVE_CPU_ISA`` asks for
 a fixed level (``avx2``: x86-64-v3, ``avx512``: x86-64-v4, ``portable``), each under its own
 name, never one this CPU lacks (``requested_isa``).
@@ -87,9 +87,11 @@ def cpu_flags() -> frozenset[str]:
 
 
 def _src_tag() -> str:
-    """A short hash of the C++ sources: two checkouts of different versions on one machine build
-    under different names instead of rebuilding over each other."""
-    h = hashlib.sha1()
+    """A short hash of the C++ sources and of where they are: two checkouts on one machine (of
+    different versions, or the same version in two places, such as a CI copy of a work tree)
+    build under different names instead of rebuilding over each other (the build's commands
+    name the sources by path, so a build from another place recompiles everything)."""
+    h = hashlib.sha1(str(_DIR.resolve()).encode())
     for f in _SOURCES + _HEADERS:
         h.update(f.read_bytes())
     return h.hexdigest()[:8]
