@@ -6,10 +6,10 @@ the ``.cpp`` and ``.h`` files beside this file (``_SOURCES``, ``_HEADERS``);
 ``torch.utils.cpp_extension.load`` compiles them once per machine (1–2 minutes on 2 cores)
 into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
 under a name that holds the CPU kind and a hash of the sources and their directory, and reuses
-it while the sources are unchanged. The build runs under an ``flock`` that a killed build cannot leave held
-(``_build_lock``). It targets this CPU (``-march=native``) unless ``$MCSERVE_CPU_ISA`` asks for
-a fixed level (``avx2``: x86-64-v3, ``avx512``: x86-64-v4, ``portable``), each under its own
-name, never one this CPU lacks (``requested_isa``).
+it while the sources are unchanged. The build runs under an ``flock`` that a killed build cannot
+leave held (``_build_lock``). It targets this CPU (``-march=native``) unless
+``$MCSERVE_CPU_ISA`` asks for a fixed level (``avx2``: x86-64-v3, ``avx512``: x86-64-v4,
+``portable``), each under its own name, never one this CPU lacks (``requested_isa``).
 
 The public functions below take the twin's signature (``twins.py``) and pick the C++ op when it
 is built and the inputs qualify (CPU, float32, the layouts the op expects), the twin otherwise,
