@@ -192,6 +192,19 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _ninja_dir() -> str | None:
+    """Where the ``ninja`` package (a dependency) keeps its binary, for the build to run first:
+    a build directory's log written by one ninja version reads as stale to another, which then
+    recompiles everything (a venv's ninja 1.13 against a system's 1.11 took 2.5 minutes each
+    time a script ran the venv's python without activating it)."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    d = getattr(ninja, "BIN_DIR", None)
+    return d if d and os.path.isfile(os.path.join(d, "ninja")) else None
+
+
 def _build():
     import time
 
@@ -206,9 +219,16 @@ def _build():
             log.info("building mcserve CPU kernels in %s (once per machine and version: "
                      "1-2 minutes on 2 cores)", build_dir)
         t0 = time.perf_counter()
-        # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
-        mod = load(name=name, sources=[str(f) for f in _SOURCES], extra_cflags=flags,
-                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        path = os.environ.get("PATH", "")
+        ninja_dir = _ninja_dir()
+        if ninja_dir:  # the environment's own ninja, whether or not the venv is activated
+            os.environ["PATH"] = ninja_dir + os.pathsep + path
+        try:
+            # -fopenmp: at::parallel_for splits the weights over torch's intra-op threads
+            mod = load(name=name, sources=[str(f) for f in _SOURCES], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        finally:
+            os.environ["PATH"] = path
         if fresh:
             log.info("built mcserve CPU kernels in %.0f s", time.perf_counter() - t0)
     return mod
