@@ -40,7 +40,8 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs``, linear between the two nearest samples."""
     s = sorted(xs)
     pos = q * (len(s) - 1)
     lo = int(pos)
@@ -119,8 +120,8 @@ def _stats(samples: Sequence[float], inner: int) -> dict[str, Any]:
     return {
         "median": statistics.median(samples),
         "min": min(samples),
-        "p25": _quantile(samples, 0.25),
-        "p75": _quantile(samples, 0.75),
+        "p25": quantile(samples, 0.25),
+        "p75": quantile(samples, 0.75),
         "max": max(samples),
         "inner": inner,
         "repeats": len(samples),

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import _quantile, env_info, env_line, print_table, set_threads, write_json  # noqa: E402
+from common import env_info, env_line, print_table, quantile, set_threads, write_json  # noqa: E402
 from long_context_runs import (  # noqa: E402
     ENGINE_VARIANTS,
     EngineRun,
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         s = samples[n]
         per_round = [a / b for a, b in zip(s, tf, strict=True)]
         d = {"model": n, "seconds": s, "median_s": statistics.median(s), "min_s": min(s),
-             "p25_s": _quantile(s, 0.25), "p75_s": _quantile(s, 0.75),
+             "p25_s": quantile(s, 0.25), "p75_s": quantile(s, 0.75),
              "ratio_of_medians": statistics.median(s) / statistics.median(tf),
              "round_ratios": per_round, "median_round_ratio": statistics.median(per_round)}
         out_rows.append(d)

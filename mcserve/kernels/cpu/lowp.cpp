@@ -634,19 +634,15 @@ const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   return bias->data_ptr<float>();
 }
 
-// y rows [r0, r0 + rows) from x rows [r0, r0 + rows) by fn(r0, rows): at many rows in chunks
-// of 32-256 (the chunk's output about 256 KiB), one thread per chunk, so each thread rounds,
-// multiplies and writes its own rows in its caches with the weights in L2 (the products' own
-// split of a call's blocks over the threads has every thread read every row); a row's result is
-// the same either way
+// y rows [r0, r0 + rows) from x rows [r0, r0 + rows) by fn(r0, rows), in row_chunks' chunks:
+// each thread rounds, multiplies and writes its own rows in its caches with the weights in L2
+// (the products' own split of a call's blocks over the threads has every thread read every row)
 template <class F>
 void by_row_chunks(int64_t B, int64_t N, F fn) {
-  const int64_t R = std::clamp<int64_t>((256 << 10) / (4 * std::max<int64_t>(1, N)) / 32 * 32,
-                                        32, 256);
-  const int64_t chunks = (B + R - 1) / R;
-  if (chunks < 2 * at::get_num_threads() || at::in_parallel_region()) return fn(0, B);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) fn(c * R, std::min(R, B - c * R));
+  const RowChunks rc = row_chunks(B, N);
+  if (!rc.threaded) return fn(0, B);
+  at::parallel_for(0, rc.count, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) fn(c * rc.rows, std::min(rc.rows, B - c * rc.rows));
   });
 }
 
@@ -658,6 +654,13 @@ int pick(int64_t impl, int best, const char* what) {
 }
 
 }  // namespace
+
+RowChunks row_chunks(int64_t B, int64_t N) {
+  const int64_t R = std::clamp<int64_t>((256 << 10) / (4 * std::max<int64_t>(1, N)) / 32 * 32,
+                                        32, 256);
+  const int64_t count = (B + R - 1) / R;
+  return {R, count, count >= 2 * at::get_num_threads() && !at::in_parallel_region()};
+}
 
 void lowp_rows(bool is_int8, const void* P, int64_t N, int64_t KP, const float* x, int64_t B,
                int64_t K, const float* sw, float* y) {

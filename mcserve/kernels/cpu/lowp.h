@@ -41,6 +41,16 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& W,
                          const c10::optional<torch::Tensor>& scales,
                          const c10::optional<torch::Tensor>& bias);
 
+// How a product with N outputs per row splits B rows: in chunks of `rows` (32-256, whole tiles
+// of 32, the chunk's float32 sums about 256 KiB, so they stay in the core's caches), one thread
+// per chunk (`threaded`) once there are at least two chunks per thread and the caller is not
+// already inside a parallel region; a row's result is the same either way
+struct RowChunks {
+  int64_t rows, count;
+  bool threaded;
+};
+RowChunks row_chunks(int64_t B, int64_t N);
+
 // y (B, N) = x (B, K) · (P · sw)ᵀ for a packed weight P ((ceil(N/16), KP, 16, 2), int8 when
 // is_int8, else bfloat16) at the best level this CPU runs: the raw product, no checks (the
 // callers check shapes and dtypes once for many products)

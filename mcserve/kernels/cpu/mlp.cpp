@@ -109,10 +109,8 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const torch::Tensor& gate,
   const bool is_int8 = t == torch::kChar;
   const bool amx = !is_int8 && bf16_level() >= 4 && I > 0;
   const int64_t KP = gate.size(1), KPd = down.size(1), Kx = (2 * KP + 31) / 32 * 32;
-  // rows per chunk: the chunk's (rows, I) sums about 256 KiB, whole tiles of 32 rows
-  const int64_t R = std::clamp<int64_t>((256 << 10) / (4 * std::max<int64_t>(1, I)) / 32 * 32,
-                                        32, 256);
-  const int64_t chunks = (T + R - 1) / R;
+  const RowChunks rc = row_chunks(T, I);  // rows per chunk: the chunk's (rows, I) sums
+  const int64_t R = rc.rows, chunks = rc.count;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const void *gp = gate.data_ptr(), *upp = up.data_ptr(), *dp = down.data_ptr();
@@ -142,7 +140,7 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const torch::Tensor& gate,
     }
   };
   // enough chunks: one thread per chunk, everything in its caches; else the products parallel
-  if (chunks >= 2 * at::get_num_threads()) {
+  if (rc.threaded) {
     at::parallel_for(0, chunks, 1, run);
   } else {
     run(0, chunks);
