@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -349,59 +346,6 @@ def test_zeros_like_torch_zeros(shape, dtype):
     direct = cpu.ops().zeros_hugepage([7, 3], torch.float32)
     assert direct.shape == (7, 3) and not direct.any()
 
-
-AVX2_FLAGS = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
-AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-
-
-@pytest.mark.parametrize("env,flags,want,noted,march", [
-    ({}, AVX512_FLAGS, "native", False, "-march=native"),
-    ({"MCSERVE_CPU_ISA": "avx2"}, AVX512_FLAGS, "avx2", False, "-march=x86-64-v3"),
-    ({"MCSERVE_CPU_ISA": "AVX2"}, AVX2_FLAGS, "avx2", False, "-march=x86-64-v3"),
-    ({"MCSERVE_CPU_ISA": "avx512"}, AVX512_FLAGS, "avx512", False, "-march=x86-64-v4"),
-    # never an instruction the CPU lacks: native (what the compiler sees here) instead
-    ({"MCSERVE_CPU_ISA": "avx512"}, AVX2_FLAGS, "native", True, "-march=native"),
-    ({"MCSERVE_CPU_ISA": "avx2"}, frozenset({"sse2", "avx"}), "native", True, "-march=native"),
-    ({"MCSERVE_CPU_ISA": "sse9"}, AVX512_FLAGS, "native", True, "-march=native"),
-    ({"MCSERVE_CPU_KERNELS_PORTABLE": "1"}, AVX512_FLAGS, "portable", False, None),
-    ({"MCSERVE_CPU_ISA": "portable"}, AVX2_FLAGS, "portable", False, None),
-], ids=["default", "avx2", "avx2-upper", "avx512", "avx512-missing", "avx2-missing", "unknown",
-        "portable-legacy", "portable"])
-def test_isa_choice_and_build_name(monkeypatch, env, flags, want, noted, march):
-    import platform
-
-    for k in ("MCSERVE_CPU_ISA", "MCSERVE_CPU_KERNELS_PORTABLE"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    isa, note = cpu.requested_isa()
-    assert isa == want and (note is not None) == noted
-    name, cflags = cpu._build_name()
-    assert [f for f in cflags if f.startswith("-march")] == ([march] if march else [])
-    # each ISA builds under its own name, so switching never loads another's build
-    assert (want in name) == (want != "native")
-    assert cpu._src_tag() in name
-
-
-
-def test_every_source_is_built_hashed_and_shipped():
-    # a .cpp missing from _SOURCES is never compiled, a .h missing from _HEADERS never hashed
-    # (an edit to it would load the stale build), and a file outside package-data is missing
-    # from a normal (non-editable) install
-    here = Path(cpu.__file__).parent
-    assert sorted(cpu._SOURCES) == sorted(here.glob("*.cpp"))
-    assert sorted(cpu._HEADERS) == sorted(here.glob("*.h"))
-    pyproject = here.parents[2] / "pyproject.toml"
-    if not pyproject.exists():
-        pytest.skip("an installed copy: no pyproject.toml beside it")
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    with open(pyproject, "rb") as f:
-        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["mcserve"]
-    for path in cpu._SOURCES + cpu._HEADERS:
-        rel = path.relative_to(here.parents[1]).as_posix()
-        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not in package-data"
 
 @pytest.mark.parametrize("B,T,H,K,V,gated", [(1, 1, 1, 4, 4, True), (2, 7, 3, 5, 6, True),
                                               (1, 33, 24, 128, 64, True), (3, 9, 2, 8, 8, False)],
