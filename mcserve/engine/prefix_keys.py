@@ -36,7 +36,7 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: bytes) -> bytes
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(salt)
-    h.update(b",".join(str(t).encode() for t in token_ids))
+    h.update(",".join(map(str, token_ids)).encode())
     return h.digest()
 
 

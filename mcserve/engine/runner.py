@@ -196,8 +196,9 @@ class ModelRunner(StaticDecode):
 
     def _register(self, seq: Sequence, bid: int) -> None:
         """Block ``bid`` holds the checkpoint of ``seq``'s segment that just completed."""
-        h, = chain_hashes(seq.all_ids, self.mc.segment_len, seq.salt,
-                          len(seq.block_table) + 1, seq.block_hashes)
+        n = len(seq.block_table) + 1
+        h, = chain_hashes(seq.ids(0, n * self.mc.segment_len), self.mc.segment_len, seq.salt, n,
+                          seq.block_hashes)
         seq.block_table.append(bid)
         seq.block_hashes.append(h)
         self.cache.register(bid, h)
@@ -237,7 +238,7 @@ class ModelRunner(StaticDecode):
         states = [self.load_state(q) for q in seqs]
         lens = [it.num_tokens for it in items]
         ids = [t for q, n in zip(seqs, lens, strict=True)
-               for t in q.all_ids[q.num_computed_tokens:q.num_computed_tokens + n]]
+               for t in q.ids(q.num_computed_tokens, q.num_computed_tokens + n)]
         x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
         if self.caches_blocks:
             for st in states:
@@ -267,7 +268,8 @@ class ModelRunner(StaticDecode):
         (the last one)."""
         seq = item.seq
         if self.private:
-            x = torch.tensor([seq.all_ids[seq.num_computed_tokens:][:item.num_tokens]],
+            x = torch.tensor([seq.ids(seq.num_computed_tokens,
+                                      seq.num_computed_tokens + item.num_tokens)],
                              device=self.model.device)
             rp = item.resume_point
             if rp is not None:
@@ -284,7 +286,7 @@ class ModelRunner(StaticDecode):
             self.init_slot(seq, item.resume_block, item.resume_point)
         state = self.load_state(seq)
         n = item.num_tokens
-        x = torch.tensor([seq.all_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]],
+        x = torch.tensor([seq.ids(seq.num_computed_tokens, seq.num_computed_tokens + n)],
                          dtype=torch.long, device=self.model.device)
         if self.caches_blocks:
             for ls in state.layers:

@@ -63,6 +63,13 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """``all_ids[start:stop]``, without building ``all_ids`` when the span is within the
+        prompt (a long prompt's segments are read one by one as they complete)."""
+        if stop <= len(self.prompt_ids):
+            return self.prompt_ids[start:stop]
+        return self.all_ids[start:stop]
+
     @property
     def last_id(self) -> int:
         """The newest token (what decode feeds), without building ``all_ids``."""
