@@ -25,7 +25,7 @@ from torch import Tensor
 from mcserve.config import MCConfig
 from mcserve.engine.cuda_graphs import DecodeGraphs, decode_buckets, table_buckets
 from mcserve.engine.kv_cache import KVCache
-from mcserve.engine.prefix_keys import chain_hashes
+from mcserve.engine.prefix_keys import block_hash
 from mcserve.engine.resume import ResumePoint, ResumeStore
 from mcserve.engine.scheduler import ScheduledSeq
 from mcserve.engine.sequence import Sequence
@@ -196,9 +196,11 @@ class ModelRunner(StaticDecode):
 
     def _register(self, seq: Sequence, bid: int) -> None:
         """Block ``bid`` holds the checkpoint of ``seq``'s segment that just completed."""
-        n = len(seq.block_table) + 1
-        h, = chain_hashes(seq.ids(0, n * self.mc.segment_len), self.mc.segment_len, seq.salt, n,
-                          seq.block_hashes)
+        C, s = self.mc.segment_len, len(seq.block_table)
+        assert len(seq.block_hashes) == s, "a key for every block of the table"
+        # chain_hashes' next link: the segment's own tokens after the previous key
+        h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None,
+                       seq.ids(s * C, (s + 1) * C), seq.salt)
         seq.block_table.append(bid)
         seq.block_hashes.append(h)
         self.cache.register(bid, h)
