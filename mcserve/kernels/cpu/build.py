@@ -28,11 +28,11 @@ log = logging.getLogger("mcserve.kernels.cpu")
 
 _DIR = Path(__file__).parent
 #: every file of the build (docs/cpu-kernels.md, "Sources"): ops.cpp binds the module; the float32
-#: ops by kind (ops.h; helpers in common.h), the low-precision products (lowp.cpp / lowp.h) and
-#: the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
+#: ops by kind (ops.h; helpers in common.h), the low-precision products (lowp.cpp, lowp_ops.cpp /
+#: lowp.h) and the sampling ops (sampling.cpp / sampling.h). All of them go into the source hash.
 _SOURCES = tuple(_DIR / f for f in ("ops.cpp", "gemv.cpp", "scan.cpp", "steps.cpp",
-                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "amx.cpp",
-                                    "pairs.cpp", "mlp.cpp", "sampling.cpp"))
+                                    "readout.cpp", "blocks.cpp", "lowp.cpp", "lowp_ops.cpp",
+                                    "amx.cpp", "pairs.cpp", "mlp.cpp", "sampling.cpp"))
 _HEADERS = tuple(_DIR / f for f in ("common.h", "ops.h", "lowp.h", "sampling.h", "vmath.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -1,6 +1,7 @@
 // Weight-only low-precision matrix products (int8 per-output-channel, bfloat16) for mcserve's
-// CPU decode; lowp.cpp has the kernels and their run-time dispatch, blocks.cpp calls them inside
-// the fused blocks and ops.cpp binds them.
+// CPU decode and prefill: lowp.cpp has the kernels and their run-time dispatch, lowp_ops.cpp
+// the tensor side and the bindings (which ops.cpp calls); blocks.cpp calls the products inside
+// the fused blocks.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -8,6 +9,20 @@
 
 #include <cstdint>
 #include <string>
+
+// x86-64: the vector code is compiled per instruction set with target attributes (MC_AVX512 the
+// AVX-512 set the kernels take) and picked at run time
+#if defined(__x86_64__) || defined(_M_X64)
+#define MCSERVE_X86 1
+#include <immintrin.h>
+#define MC_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+#endif
+
+// vdpbf16ps needs gcc >= 11 or clang >= 12 (the intrinsics and __builtin_cpu_supports name)
+#if defined(MCSERVE_X86) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define MCSERVE_BF16_DP 1
+#endif
 
 namespace mcserve_lowp {
 
@@ -68,7 +83,7 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const torch::Tensor& gate,
                         const torch::Tensor& s_up, const torch::Tensor& down,
                         const torch::Tensor& s_down, int64_t act);
 
-// lowp.cpp: P a contiguous packed weight of `t` for K inputs and the scales' length of outputs
+// lowp_ops.cpp: P a contiguous packed weight of `t` for K inputs and the scales' length of outputs
 // (a clear error naming `what` otherwise)
 void check_packed(const torch::Tensor& P, const torch::Tensor& scales, int64_t K,
                   torch::ScalarType t, const char* what);
@@ -104,6 +119,18 @@ void amx_bf16_gated(const uint16_t* Pg, const uint16_t* Pu, int64_t I, int64_t K
 
 // the bfloat16 level bf16_linear runs at here (lowp.cpp's probe, under the cap): 4 on AMX tiles
 int bf16_level();
+
+// lowp.cpp, for lowp_ops.cpp: the best level this CPU runs for int8 and bfloat16 (its self-test,
+// under the cap); the raw products at a level (x rounded as that level rounds it, no checks);
+// the cap (MCSERVE_CPU_ISA); what the CPU reports and the levels chosen (lowp_info)
+int q8_best();
+int bf_best();
+void q8_raw(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, int64_t KP,
+            const float* sw, const float* bias, float* y, int impl);
+void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, int64_t KP,
+            const float* sw, const float* bias, float* y, int impl);
+void set_cap(int level);
+pybind11::dict info();
 
 // amx.cpp: the bfloat16 cached readout of an MC prefill tile on AMX tiles. For each of A heads
 // and T tokens: o[h, t, :] += sum over checkpoints j < n and keys k of q[h, t, k] ·
