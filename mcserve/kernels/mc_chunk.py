@@ -346,14 +346,16 @@ def _selected_readout(S: tuple[Tensor, ...], q: Tensor, u: Tensor, ksum: Tensor,
         picks = []
         for t0 in range(0, L, _SCORE_TILE):
             t1 = min(L, t0 + _SCORE_TILE)
-            r = torch.matmul(uh[:, t0:t1].transpose(1, 2), kT)  # (B, H, T, N)
+            # the checkpoints the tile's last token sees (at least top_k columns: N >= 2·top_k)
+            n_vis = min(N, max(top_k, n_carried + (t1 - 1) // segment_len))
+            r = torch.matmul(uh[:, t0:t1].transpose(1, 2), kT[..., :n_vis])  # (B, H, T, n_vis)
             got = cpu_ops.select_softmax(
-                r.view(-1, N), seen[t0:t1].expand(B, H, t1 - t0).reshape(-1),
+                r.view(-1, n_vis), seen[t0:t1].expand(B, H, t1 - t0).reshape(-1),
                 r_on[:, t0:t1].transpose(1, 2).reshape(-1), top_k)
             picks.append([x.view(B, H, t1 - t0, -1) for x in got])
         idx, w, w_on = (torch.cat(parts, 2) if len(parts) > 1 else parts[0]
                         for parts in zip(*picks))  # (B, H, L, top_k | 1)
-        y = o * w_on.transpose(1, 2)
+        y = o * w_on.transpose(1, 2).contiguous()  # (a strided broadcast runs at half speed)
         idx = idx.transpose(1, 2)
         w = w.transpose(1, 2)
         V = o.shape[-1]
