@@ -14,7 +14,10 @@
 // products are lowp.cpp's, the sampling ops sampling.cpp's. This file holds the module's
 // bindings, Mamba2Stack (every Mamba2 layer in one call, built from Python tuples) and
 // zeros_hugepage.
-#include <torch/extension.h>
+// torch's pybind11 casters for tensors, without the C++ frontend of torch/extension.h (a third
+// of the compile time)
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include "lowp.h"
 #include "ops.h"

@@ -1,7 +1,10 @@
 // Sampling-side ops of mcserve's CPU engine (sampling.cpp); ops.cpp binds them.
 #pragma once
 
-#include <torch/extension.h>
+// torch's pybind11 casters for tensors (bind() binds ops on tensors), without the C++ frontend
+// of torch/extension.h
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 namespace mcserve_sampling {
 
