@@ -25,7 +25,10 @@ Two measurements, each against its baseline in the same run (samples interleaved
   (``kernels.cpu.linear_bf16``, ``kernels.cpu.gated_mlp``) against oneDNN's packed bfloat16
   product (bfloat16 in and out, so fewer bytes than the engine's float32 activations) and, for
   the SwiGLU, the three products with ``silu_mul`` between; and the bfloat16 token embedding's
-  lookup of those rows (``packed_rows`` against its torch twin);
+  lookup of those rows (``packed_rows`` against its torch twin); and one call of ``grm``'s
+  bfloat16 cached readout (``kernels.cpu.readout_bf16_``: 4 heads, 512 tokens, 64, 128 and 256
+  checkpoints of 64 × 64) against oneDNN's bfloat16 ``bmm`` of the same flops (the weights
+  times the checkpoints, without the queries), in GFLOP/s;
 * **the MC block readout** (``readout_paged``: Σ_n w_n · S_nᵀ q over 512 cached 64 × 64 states
   per head, 4 heads, 4 layers, as ``grm`` at 32K context), with the pools on ordinary 4 KiB pages
   (``torch.zeros``) and on transparent huge pages (``kernels.cpu.zeros``).
@@ -164,8 +167,25 @@ def bench_prefill(rows: int, repeats: int) -> dict:
             packed_linear.packed_linear(
                 (lambda h: torch.nn.functional.silu(h[:, :hidden]) * h[:, hidden:])(
                     packed_linear.packed_linear(xb, pup, None)), pdn, None))
+    flops = {}
+    A, T, K, V = 4, min(rows, 512), 64, 64  # one readout call of grm's prefill: 4 heads
+    for n in (64, 128, 256):  # checkpoints seen: 4K, 8K and 16K tokens into a prompt
+        P = ((n + 1) // 2 + 15) // 16 * 16
+        S = torch.randn(A, K * V // 16, P, 16, 2, generator=g).bfloat16()
+        w, q = torch.rand(A, T, n, generator=g), torch.randn(A, T, K, generator=g)
+        o = torch.zeros(A, T, V)
+        wb, Sb = w.bfloat16(), torch.randn(A, n, K * V, generator=g).bfloat16()
+        name = f"readout, {n} checkpoints: C++ readout_bf16_ (engine)"
+        fns[name] = lambda o=o, w=w, q=q, S=S: cpu.readout_bf16_(o, w, q, S)
+        flops[name] = 2 * A * T * n * K * V
+        name = f"readout, {n} checkpoints: oneDNN bf16 bmm, same flops"
+        fns[name] = lambda wb=wb, Sb=Sb: torch.bmm(wb, Sb)
+        flops[name] = 2 * A * T * n * K * V
     t = timeit_many(fns, repeats=repeats, warmup=1, min_sample_s=0.02)
-    return {"rows": rows, "results": {k: dict(v) for k, v in t.items()}}
+    results = {k: dict(v) for k, v in t.items()}
+    for k, f in flops.items():
+        results[k]["gflops"] = f / results[k]["median"] / 1e9
+    return {"rows": rows, "readout_tokens": T, "results": results}
 
 
 MOE_SHAPE = dict(d_model=1536, n_experts=64, top_k=6, intermediate=512)
@@ -267,8 +287,10 @@ def main() -> int:
     pre = None
     if args.prefill or not (args.lowp or args.moe):
         pre = bench_prefill(512 if args.quick else 8192, repeats)
-        print_table([[k, fmt_time(v["median"])] for k, v in pre["results"].items()],
-                    ["default model, bfloat16 weights", "median"],
+        print_table([[k, fmt_time(v["median"]),
+                      f"{v['gflops']:.0f}" if "gflops" in v else ""]
+                     for k, v in pre["results"].items()],
+                    ["default model, bfloat16 weights", "median", "GFLOP/s"],
                     title=f"\na prefill's products at {pre['rows']} rows ({threads} threads)")
     if args.prefill:
         from common import write_json
