@@ -5,7 +5,8 @@
 
 The public functions below take the twin's signature (``twins.py``) and pick the C++ op when it
 is built and the inputs qualify (CPU, float32, the layouts the op expects), the twin otherwise,
-so callers never branch. ``tests/test_cpu_kernels.py`` compares each op with its twin.
+so callers never branch. ``tests/test_cpu_kernels.py`` and ``tests/test_cpu_prefill_readout.py``
+compare each op with its twin.
 """
 
 from __future__ import annotations
