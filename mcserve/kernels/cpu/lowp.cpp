@@ -86,14 +86,18 @@ std::string g_probe_note;
 std::once_flag g_probe_once;
 void probe();
 
-int q8_best_() {
+}  // namespace
+
+int q8_best() {
   std::call_once(g_probe_once, probe);
   return std::min(g_q8_max, g_cap.load());
 }
-int bf_best_() {
+int bf16_level() {
   std::call_once(g_probe_once, probe);
   return std::min(g_bf_max, g_cap.load());
 }
+
+namespace {
 
 // ------------------------------------------------------------------------ int8
 // the largest |code| of a quantized input row of K: every partial sum of a dot product then
@@ -498,7 +502,9 @@ T* scratch(torch::Tensor& holder, int64_t n) {
   return reinterpret_cast<T*>((p + 63) / 64 * 64);
 }
 
-void q8_raw_(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, int64_t KP,
+}  // namespace
+
+void q8_raw(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, int64_t KP,
             const float* sw, const float* bias, float* y, int impl) {
   const int64_t Kx = round_up(2 * KP, 32);  // 64-byte rows
   torch::Tensor buf;
@@ -515,7 +521,7 @@ void q8_raw_(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, i
   }
 }
 
-void bf_raw_(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, int64_t KP,
+void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, int64_t KP,
             const float* sw, const float* bias, float* y, int impl) {
   const int64_t Kx = round_up(2 * KP, 32);
   torch::Tensor buf;
@@ -549,6 +555,8 @@ void bf_raw_(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N,
   }
 }
 
+namespace {
+
 // (N, K) weights into the packed layout (the reference for the self-test; twins.pack_pairs)
 template <class T>
 std::vector<T> pack(const std::vector<T>& w, int64_t N, int64_t K) {
@@ -581,9 +589,9 @@ void probe() {
   for (auto& v : wb) v = c10::BFloat16(u(gen)).x;
   const auto qp = pack(q, N, K);
   const auto bp = pack(wb, N, K);
-  q8_raw_(x.data(), B, K, qp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
+  q8_raw(x.data(), B, K, qp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
   for (int lvl = q8; lvl > 0; --lvl) {
-    q8_raw_(x.data(), B, K, qp.data(), N, KP, sw.data(), bias.data(), got.data(), lvl);
+    q8_raw(x.data(), B, K, qp.data(), N, KP, sw.data(), bias.data(), got.data(), lvl);
     if (std::memcmp(got.data(), want.data(), sizeof(float) * got.size()) == 0) break;
     g_probe_note += "int8 level " + std::to_string(lvl) + " disagreed with the scalar kernel; ";
     q8 = lvl - 1;
@@ -594,8 +602,8 @@ void probe() {
     const bool rounds = lvl >= 3;
     for (size_t i = 0; i < x.size(); ++i)
       xr[i] = rounds ? static_cast<float>(c10::BFloat16(x[i])) : x[i];
-    bf_raw_(xr.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
-    bf_raw_(x.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), got.data(), lvl);
+    bf_raw(xr.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), want.data(), 0);
+    bf_raw(x.data(), B, K, bp.data(), N, KP, sw.data(), bias.data(), got.data(), lvl);
     bool ok = true;
     for (size_t i = 0; i < got.size(); ++i)
       ok = ok && std::fabs(got[i] - want[i]) <= 1e-4f * (1.f + std::fabs(want[i]));
@@ -609,27 +617,13 @@ void probe() {
 
 }  // namespace
 
-int q8_best() { return q8_best_(); }
-int bf_best() { return bf_best_(); }
-int bf16_level() { return bf_best_(); }
-
-void q8_raw(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, int64_t KP,
-            const float* sw, const float* bias, float* y, int impl) {
-  q8_raw_(x, B, K, P, N, KP, sw, bias, y, impl);
-}
-
-void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, int64_t KP,
-            const float* sw, const float* bias, float* y, int impl) {
-  bf_raw_(x, B, K, P, N, KP, sw, bias, y, impl);
-}
-
 void set_cap(int level) { g_cap.store(level); }
 
 pybind11::dict info() {
   const Features& f = features();
   pybind11::dict d;
-  d["int8_impl"] = q8_best_();
-  d["bf16_impl"] = bf_best_();
+  d["int8_impl"] = q8_best();
+  d["bf16_impl"] = bf16_level();
   d["int8_max"] = g_q8_max;
   d["bf16_max"] = g_bf_max;
   d["cap"] = g_cap.load();

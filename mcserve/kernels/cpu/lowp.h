@@ -120,11 +120,10 @@ void amx_bf16_gated(const uint16_t* Pg, const uint16_t* Pu, int64_t I, int64_t K
 // the bfloat16 level bf16_linear runs at here (lowp.cpp's probe, under the cap): 4 on AMX tiles
 int bf16_level();
 
-// lowp.cpp, for lowp_ops.cpp: the best level this CPU runs for int8 and bfloat16 (its self-test,
-// under the cap); the raw products at a level (x rounded as that level rounds it, no checks);
-// the cap (MCSERVE_CPU_ISA); what the CPU reports and the levels chosen (lowp_info)
+// lowp.cpp, for lowp_ops.cpp: the int8 level this CPU runs (its self-test, under the cap); the
+// raw products at a level (x rounded as that level rounds it, no checks); the cap
+// (MCSERVE_CPU_ISA); what the CPU reports and the levels chosen (lowp_info)
 int q8_best();
-int bf_best();
 void q8_raw(const float* x, int64_t B, int64_t K, const int8_t* P, int64_t N, int64_t KP,
             const float* sw, const float* bias, float* y, int impl);
 void bf_raw(const float* x, int64_t B, int64_t K, const uint16_t* P, int64_t N, int64_t KP,

@@ -67,7 +67,7 @@ void lowp_rows(bool is_int8, const void* P, int64_t N, int64_t KP, const float* 
   if (is_int8) {
     q8_raw(x, B, K, static_cast<const int8_t*>(P), N, KP, sw, nullptr, y, q8_best());
   } else {
-    bf_raw(x, B, K, static_cast<const uint16_t*>(P), N, KP, sw, nullptr, y, bf_best());
+    bf_raw(x, B, K, static_cast<const uint16_t*>(P), N, KP, sw, nullptr, y, bf16_level());
   }
 }
 
@@ -113,7 +113,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight,
   const int64_t B = x.size(0), K = x.size(1), N = scales.numel();
   check_packed(weight, scales, K, torch::kBFloat16, "bf16_linear");
   const float* bp = bias_ptr(bias, N);
-  const int lvl = pick(impl, bf_best(), "bf16_linear");
+  const int lvl = pick(impl, bf16_level(), "bf16_linear");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -188,7 +188,7 @@ torch::Tensor outer_bf16_(torch::Tensor X, const torch::Tensor& w, const torch::
                   X.size(3) == K,
               "outer_bf16_: X must be a contiguous bfloat16 (A, T, n, K) = (", A, ", ", T, ", ",
               n, ", ", K, "), got ", X.scalar_type(), " ", X.sizes());
-  const int level = pick(impl, bf_best(), "outer_bf16_");
+  const int level = pick(impl, bf16_level(), "outer_bf16_");
   (void)level;  // without the BF16 build every level runs the scalar loop
   const float* wp = w.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
